@@ -1,0 +1,270 @@
+"""Expert-parallel topology and buffer plan.
+
+Legend (see DESIGN.md): T tokens on a rank, K top-k, E experts, R ranks (world size),
+L = E / R local experts, H hidden size, F expert intermediate size, N_max max tokens per rank.
+
+:class:`EPConfig` validates the topology before anything is started; :func:`plan_buffers`
+turns it into a :class:`BufferPlan`, the byte layout of every symmetric buffer, so the
+memory cost per GPU is known before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_GPUS_PER_NODE = 8
+FP8_GROUP = 128  # channels per fp32 scale in fp8 dispatch
+ALIGN_BYTES = 128  # every sub-buffer starts on this boundary (16 B vector access, cache lines)
+
+DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp32": 4, "int32": 4, "int64": 8}
+
+
+class EPConfig(BaseModel):
+    """Topology and sizes of one expert-parallel MoE layer group.
+
+    >>> cfg = EPConfig(hidden_size=128, n_experts=8, top_k=2, max_tokens_per_rank=16,
+    ...                intermediate_size=64, gpus_per_node=2)
+    >>> cfg.world_size, cfg.experts_per_rank
+    (2, 4)
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hidden_size: int = Field(gt=0)
+    """H: channels of a token row."""
+    n_experts: int = Field(gt=0)
+    """E: routed experts over the whole world; each rank holds E / R of them."""
+    top_k: int = Field(gt=0)
+    """K: experts each token is routed to (distinct)."""
+    max_tokens_per_rank: int = Field(gt=0)
+    """N_max: the most tokens one rank may hand to one dispatch; sizes every buffer."""
+    intermediate_size: int = Field(default=256, gt=0)
+    """F: inner width of each SwiGLU expert (gate and up are F wide each)."""
+    n_shared_experts: int = Field(default=0, ge=0)
+    """Shared experts applied to every token on its own rank, added to the combined output."""
+    n_nodes: int = Field(default=1, gt=0)
+    """Nodes (hosts) of the group."""
+    gpus_per_node: int = Field(default=1, gt=0)
+    """Ranks per node: GPUs per node, or CPU workers per node on the torch backend."""
+    dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
+    """Row format on the wire for dispatch: bf16, or fp8 e4m3 with one fp32 scale per 128 channels."""
+    combine_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Row format of expert outputs on the wire for combine (fp32 for exactness checks)."""
+    expert_alignment: int = Field(default=1, gt=0)
+    """Rows of each local expert's segment are padded to a multiple of this."""
+    backend: Literal["auto", "nvshmem", "torch"] = "auto"
+    """auto: nvshmem when every worker has a GPU, else torch (gloo on CPU)."""
+    num_sms: int | None = Field(default=None, gt=0)
+    """Most programs (SMs) a communication kernel may use; None: all of them."""
+    init_timeout_s: float = Field(default=180.0, gt=0)
+    """Limit for starting workers and joining the rendezvous / NVSHMEM bootstrap."""
+    recv_timeout_s: float = Field(default=30.0, gt=0)
+    """Limit for a rank waiting on its peers' signals inside a receive kernel."""
+    call_timeout_s: float = Field(default=600.0, gt=0)
+    """Limit for one driver call on all workers (a dead or hung worker fails it)."""
+
+    @property
+    def world_size(self) -> int:
+        """R = n_nodes * gpus_per_node."""
+        return self.n_nodes * self.gpus_per_node
+
+    @property
+    def experts_per_rank(self) -> int:
+        """L = E / R."""
+        return self.n_experts // self.world_size
+
+    @property
+    def experts_per_token_rank(self) -> int:
+        """Most of a token's K experts that can sit on one rank: min(K, L)."""
+        return min(self.top_k, self.experts_per_rank)
+
+    @property
+    def max_recv_rows(self) -> int:
+        """Most expert-major rows a rank can receive, padding included."""
+        pad = self.experts_per_rank * (self.expert_alignment - 1)
+        return self.world_size * self.max_tokens_per_rank * self.experts_per_token_rank + pad
+
+    @model_validator(mode="after")
+    def _check_topology(self) -> "EPConfig":
+        R = self.world_size
+        if self.gpus_per_node > MAX_GPUS_PER_NODE:
+            raise ValueError(
+                f"gpus_per_node = {self.gpus_per_node} exceeds {MAX_GPUS_PER_NODE}, the most one "
+                f"NVLink domain holds; use n_nodes to add ranks"
+            )
+        if self.n_experts % R != 0:
+            raise ValueError(
+                f"n_experts (E) = {self.n_experts} must be divisible by the world size "
+                f"(R = n_nodes * gpus_per_node = {self.n_nodes} * {self.gpus_per_node} = {R}); "
+                f"change n_experts or the topology"
+            )
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"top_k (K) = {self.top_k} must be <= n_experts (E) = {self.n_experts}: "
+                f"a token picks K distinct experts"
+            )
+        if self.dispatch_dtype == "fp8" and self.hidden_size % FP8_GROUP != 0:
+            raise ValueError(
+                f"dispatch_dtype 'fp8' needs hidden_size % {FP8_GROUP} == 0 (one scale per "
+                f"{FP8_GROUP} channels), got hidden_size = {self.hidden_size}; use bf16 or pad H"
+            )
+        for field, dtype in (("dispatch_dtype", self.dispatch_dtype), ("combine_dtype", self.combine_dtype)):
+            row_bytes = self.hidden_size * DTYPE_BYTES[dtype]
+            if row_bytes % 16 != 0:
+                raise ValueError(
+                    f"a row of hidden_size = {self.hidden_size} in {field} '{dtype}' is {row_bytes} "
+                    f"bytes; rows must be a multiple of 16 bytes for vector access: make "
+                    f"hidden_size a multiple of {16 // DTYPE_BYTES[dtype]}"
+                )
+        if self.expert_alignment & (self.expert_alignment - 1):
+            raise ValueError(
+                f"expert_alignment = {self.expert_alignment} must be a power of two (1, 2, 4, ...)"
+            )
+        if self.max_recv_rows * max(self.hidden_size, 2 * self.intermediate_size) >= 2**31:
+            raise ValueError(
+                f"max_tokens_per_rank = {self.max_tokens_per_rank} makes the receive side "
+                f"({self.max_recv_rows} rows) too large for 32-bit offsets; lower it"
+            )
+        return self
+
+    # ---- construction helpers -------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "EPConfig":
+        """A named preset (see :data:`PRESETS`) with field overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **overrides: Any) -> "EPConfig":
+        """From a mapping of fields; a key ``preset`` starts from that preset."""
+        data = dict(data)
+        name = data.pop("preset", None)
+        merged = {**data, **overrides}
+        return cls.preset(name, **merged) if name else cls(**merged)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> "EPConfig":
+        """From a YAML or JSON file of fields (optionally under a top-level ``ep:`` key)."""
+        text = Path(path).read_text()
+        if str(path).endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of EPConfig fields, got {type(data).__name__}")
+        if "ep" in data:
+            data = data["ep"]
+        return cls.from_dict(data, **overrides)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # DeepSeek-V3 / R1 MoE layer: 256 routed experts, top-8, one shared expert.
+    "deepseek-v3": dict(hidden_size=7168, n_experts=256, top_k=8, intermediate_size=2048,
+                        n_shared_experts=1, max_tokens_per_rank=4096, gpus_per_node=4),
+    # Qwen3-235B-A22B MoE layer.
+    "qwen3-moe": dict(hidden_size=4096, n_experts=128, top_k=8, intermediate_size=1536,
+                      max_tokens_per_rank=4096, gpus_per_node=4),
+    # Mixtral 8x7B MoE layer.
+    "mixtral": dict(hidden_size=4096, n_experts=8, top_k=2, intermediate_size=14336,
+                    max_tokens_per_rank=4096, gpus_per_node=4),
+    # Small enough for CPU workers and the Triton interpreter; E divisible by 1, 2, 4, 8.
+    "tiny": dict(hidden_size=128, n_experts=16, top_k=4, intermediate_size=64,
+                 max_tokens_per_rank=32, gpus_per_node=2),
+}
+
+
+# ---- buffer plan ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BufferSpec:
+    """One typed sub-buffer inside the symmetric heap block of a rank."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    """Byte offset from the start of the rank's symmetric block (ALIGN_BYTES aligned)."""
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """Byte layout of the symmetric buffers of one rank (the same on every rank).
+
+    Two groups, dispatch and combine, each with send, recv and recv_count regions; every
+    buffer lives in one block so that a single peer base address per rank reaches them all.
+    """
+
+    buffers: tuple[BufferSpec, ...]
+    total_bytes: int
+
+    def __getitem__(self, name: str) -> BufferSpec:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(f"no buffer {name!r} in the plan; have {[b.name for b in self.buffers]}")
+
+    def __contains__(self, name: str) -> bool:
+        return any(b.name == name for b in self.buffers)
+
+    def region_bytes(self) -> dict[str, int]:
+        """Bytes per region, e.g. {'dispatch.send': ..., 'dispatch.recv': ...}."""
+        out: dict[str, int] = {}
+        for b in self.buffers:
+            region = b.name.rsplit(".", 1)[0]
+            out[region] = out.get(region, 0) + b.nbytes
+        return out
+
+    def table(self) -> str:
+        """A printable table of every buffer and the total."""
+        rows = [f"{'buffer':<28}{'shape':<24}{'dtype':<7}{'MiB':>10}"]
+        for b in self.buffers:
+            rows.append(f"{b.name:<28}{str(list(b.shape)):<24}{b.dtype:<7}{b.nbytes / 2**20:>10.2f}")
+        rows.append(f"{'total per GPU':<59}{self.total_bytes / 2**20:>10.2f}")
+        return "\n".join(rows)
+
+
+def plan_buffers(cfg: EPConfig) -> BufferPlan:
+    """The symmetric buffers one rank needs for ``cfg``.
+
+    Region per source rank on the receive side (R regions of N_max rows) so that no two
+    writers ever touch the same bytes. ``meta`` rows hold, per token, its K global expert
+    ids, K per-expert ordinals on the source and K router weights (fp32 bits): 3K int32.
+    """
+    R, N, H, K, L = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden_size, cfg.top_k, cfg.experts_per_rank
+    fp8 = cfg.dispatch_dtype == "fp8"
+    specs: list[tuple[str, tuple[int, ...], str]] = [
+        # dispatch.send: staging of quantised rows for NVSHMEM puts to other nodes
+        ("dispatch.send.x", (N, H), cfg.dispatch_dtype),
+        ("dispatch.send.meta", (N, 3 * K), "int32"),
+        ("dispatch.recv.x", (R, N, H), cfg.dispatch_dtype),
+        ("dispatch.recv.meta", (R, N, 3 * K), "int32"),
+        # per source: [rows sent, rows for each local expert]
+        ("dispatch.recv_count.counts", (R, L + 1), "int32"),
+        ("dispatch.recv_count.signal", (R,), "int64"),
+        ("combine.send.x", (R, N, H), cfg.combine_dtype),
+        ("combine.recv.x", (R, N, H), cfg.combine_dtype),
+        ("combine.recv_count.signal", (R,), "int64"),
+    ]
+    if fp8:
+        specs.insert(1, ("dispatch.send.scales", (N, H // FP8_GROUP), "fp32"))
+        specs.insert(4, ("dispatch.recv.scales", (R, N, H // FP8_GROUP), "fp32"))
+    buffers, offset = [], 0
+    for name, shape, dtype in specs:
+        spec = BufferSpec(name, shape, dtype, offset)
+        buffers.append(spec)
+        offset += -(-spec.nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    return BufferPlan(tuple(buffers), offset)

@@ -1,0 +1,94 @@
+"""Device-side synchronisation shared by the dispatch and combine kernels.
+
+Protocol (one round of one group, dispatch or combine):
+
+1. every program of a send launch stores its rows, then increments the launch's done
+   counter with release semantics at system scope (a CTA barrier first, so the stores of
+   all its threads are ordered before);
+2. the program that finds the counter at ``num_programs - 1`` is the last: it resets the
+   counter, writes the per-destination counts and releases one signal per destination
+   carrying the round number ``epoch + 1``;
+3. receivers poll their R signals with acquire semantics until each is ``>= epoch + 1``
+   (monotonic, so nothing is ever cleared and a fast peer running ahead cannot be missed),
+   bounded by a timeout that sets error bits instead of hanging;
+4. the last program of the receive launch advances the rank's epoch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .buffers import STATUS_TIMEOUT
+
+_STATUS_TIMEOUT = tl.constexpr(STATUS_TIMEOUT)
+
+
+@triton.jit
+def now_ns(USE_TIMER: tl.constexpr):
+    """The GPU's global nanosecond timer; 0 in the interpreter (which counts spins instead)."""
+    if USE_TIMER:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+    else:
+        return tl.zeros((), dtype=tl.int64)
+
+
+@triton.jit
+def peer_ptr(peer_bases_ptr, rank, offset_bytes, DTYPE: tl.constexpr):
+    """Typed pointer to byte ``offset_bytes`` of rank ``rank``'s symmetric block."""
+    base = tl.load(peer_bases_ptr + rank)
+    # blocks and sub-buffers are 128 B aligned: tell the compiler so stores vectorise
+    addr = tl.multiple_of(base + offset_bytes, 16)
+    return addr.to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def last_program_done(counter_ptr):
+    """Count this program as finished (release, system scope); True for the last one, which
+    also resets the counter for the next launch. Call after all of the program's stores."""
+    tl.debug_barrier()  # every thread's stores happen before the release below
+    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    last = old == tl.num_programs(0) - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def release_signal(peer_bases_ptr, rank, signal_offset_bytes, slot, value):
+    """Publish ``value`` in slot ``slot`` of rank ``rank``'s signal array (release, system scope).
+    Call after a CTA barrier that follows the stores it publishes."""
+    sig = peer_ptr(peer_bases_ptr, rank, signal_offset_bytes, tl.int64)
+    tl.atomic_xchg(sig + slot, value, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_signals(signal_ptr, R, target, status_ptr, timeout_ns, max_spins,
+                 R_PAD: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Spin until signal_ptr[s] >= target for every s < R (acquire, system scope).
+
+    Returns True when all arrived. On timeout (``timeout_ns`` on a GPU, ``max_spins`` polls in
+    the interpreter) it sets STATUS_TIMEOUT and status[1 + s] for each silent source and
+    returns False: a dead peer is reported, never waited on forever.
+    """
+    src = tl.arange(0, R_PAD)
+    live = src < R
+    sig = tl.atomic_add(signal_ptr + src, 0, mask=live, sem="acquire", scope="sys")
+    pending = live & (sig < target)
+    start = now_ns(USE_TIMER)
+    spins = 0
+    expired = 0
+    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (expired == 0):
+        sig = tl.atomic_add(signal_ptr + src, 0, mask=pending, sem="acquire", scope="sys")
+        pending = pending & (sig < target)
+        spins += 1
+        if USE_TIMER:
+            expired = ((now_ns(USE_TIMER) - start) > timeout_ns).to(tl.int32)
+        else:
+            expired = (spins > max_spins).to(tl.int32)
+    silent = tl.max(pending.to(tl.int32), axis=0)
+    if silent > 0:
+        tl.atomic_or(status_ptr, _STATUS_TIMEOUT)
+        tl.store(status_ptr + 1 + src, 1, mask=pending)
+    return silent == 0

@@ -1,0 +1,130 @@
+"""Symmetric buffers and per-rank scratch as the kernels see them.
+
+A rank's symmetric buffers live in one byte block laid out by :class:`~ray_ep.config.BufferPlan`
+(identical on every rank). Kernels reach rank d's copy of a buffer at
+``peer_bases[d] + plan[name].offset``; torch twins use typed views of the same bytes.
+Who allocates the block (NVSHMEM on GPUs, plain tensors for the simulated world and the
+CPU backend) is the transport's business, not this module's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import BufferPlan, EPConfig
+from ..errors import EPOverflowError, EPTimeoutError
+
+TORCH_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "fp32": torch.float32,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+
+# status[0] bits written by the receive kernels; status[1 + s] = 1 when source s never signalled
+STATUS_TIMEOUT = 1
+STATUS_OVERFLOW = 2
+
+# done-counter slots (one per kernel kind, so split kernels never share one)
+COUNTER_DISPATCH_SEND, COUNTER_DISPATCH_RECV, COUNTER_COMBINE_SEND, COUNTER_COMBINE_RECV = range(4)
+EPOCH_DISPATCH, EPOCH_COMBINE = 0, 1
+
+
+def typed_views(block: torch.Tensor, plan: BufferPlan) -> dict[str, torch.Tensor]:
+    """Typed tensors over a rank's uint8 block, one per buffer of the plan."""
+    if block.dtype != torch.uint8 or block.dim() != 1 or block.numel() < plan.total_bytes:
+        raise ValueError(f"need a 1-D uint8 block of >= {plan.total_bytes} bytes, got "
+                         f"{block.dtype} {tuple(block.shape)}")
+    views = {}
+    for b in plan.buffers:
+        raw = block[b.offset:b.offset + b.nbytes]
+        views[b.name] = raw.view(TORCH_DTYPES[b.dtype]).view(b.shape)
+    return views
+
+
+@dataclass(frozen=True)
+class SymmetricBuffers:
+    """One rank's handle on the symmetric buffers of the whole group.
+
+    ``local``: typed views of this rank's own block. ``peers[d]``: typed views of rank d's
+    block where this process can load/store it directly (same node), else None.
+    ``peer_bases`` [R] int64 on the rank's device: base address of each rank's block for the
+    kernels (0 where unreachable by stores).
+    """
+
+    plan: BufferPlan
+    rank: int
+    local: dict[str, torch.Tensor]
+    peers: list[dict[str, torch.Tensor] | None]
+    peer_bases: torch.Tensor
+
+    @property
+    def world_size(self) -> int:
+        return len(self.peers)
+
+    @property
+    def device(self) -> torch.device:
+        return self.peer_bases.device
+
+    def offset(self, name: str) -> int:
+        return self.plan[name].offset
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Per-rank device scratch, allocated once and never cleared by the host.
+
+    ``epochs`` [2] int64: completed rounds of dispatch and combine; a send of round n+1
+    signals n+1 and the receive waits for signals >= n+1, so buffers never need clearing.
+    ``counters`` [4] int32: programs finished, per kernel kind; the last program of a launch
+    sends the signals (or advances the epoch) and resets its counter to 0.
+    ``status`` [R + 1] int32: error bits and silent sources (see STATUS_*).
+    ``scratch`` [programs, E] int32: a private table per program of a receive launch.
+    """
+
+    epochs: torch.Tensor
+    counters: torch.Tensor
+    status: torch.Tensor
+    scratch: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: EPConfig, device: torch.device | str) -> "Workspace":
+        from ._util import num_sms
+
+        return cls(
+            epochs=torch.zeros(2, dtype=torch.int64, device=device),
+            counters=torch.zeros(4, dtype=torch.int32, device=device),
+            status=torch.zeros(cfg.world_size + 1, dtype=torch.int32, device=device),
+            scratch=torch.zeros(num_sms(device), cfg.n_experts, dtype=torch.int32, device=device),
+        )
+
+
+def check_status(ws: Workspace, rank: int, what: str) -> None:
+    """Raise the error a receive kernel flagged (this syncs with the device)."""
+    status = ws.status.tolist()
+    if status[0] == 0:
+        return
+    flags = status[0]
+    ws.status.zero_()
+    if flags & STATUS_TIMEOUT:
+        silent = [s for s, v in enumerate(status[1:]) if v]
+        raise EPTimeoutError(
+            f"rank {rank}: {what} timed out waiting for ranks {silent}, which never signalled; "
+            f"a peer died, hung or runs another round. The group must be rebuilt."
+        )
+    if flags & STATUS_OVERFLOW:
+        raise EPOverflowError(
+            f"rank {rank}: {what} received more rows than its buffers hold (peers disagree on "
+            f"the config?); nothing was written past the buffers, but this round's output is invalid"
+        )
+
+
+def new_block(cfg: EPConfig | BufferPlan, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed uint8 block for one rank (the CPU / simulated-world stand-in for NVSHMEM)."""
+    from ..config import plan_buffers
+
+    plan = cfg if isinstance(cfg, BufferPlan) else plan_buffers(cfg)
+    return torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)

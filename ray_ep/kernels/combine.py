@@ -1,0 +1,313 @@
+"""Combine: return expert outputs to their source tokens and form the router-weighted sum.
+
+Legend: T tokens on this rank, K top-k, R ranks, L local experts, H hidden, N = N_max,
+M expert-major rows.
+
+Send (on the rank that ran the experts): for each received row (s, i) it sums, in fp32, the
+outputs of the row's local experts weighted by their router weights, and stores that one
+partial row (combine dtype) at row ``me * N + i`` of source s's ``combine.recv`` buffer; so
+combine moves one row per (token, rank), the same bytes as dispatch. The last program
+releases ``signal[me] = epoch + 1`` on every source.
+
+Receive (on the source): wait for every rank's signal, then
+``out[t] = sum_d recv[d * N + token_slots[t, d]] (+ add[t])`` in fp32, cast to the output
+dtype. ``add_TH`` is the elementwise epilogue: shared-expert output or a residual.
+
+Example (R = 2, token 0 with experts on both ranks, weights 0.25 / 0.75, rank 1 holding two
+of its experts with outputs y1, y2 and weights 0.5, 0.25): rank 1 sends
+0.5 * y1 + 0.25 * y2, rank 0 sends 0.25 * y0, and token 0's output is their sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import EPConfig
+from ..errors import EPInputError
+from ._sync import last_program_done, peer_ptr, release_signal, wait_signals
+from ._util import check_tensor, grid_size, interpreted, tile_shape
+from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
+                      SymmetricBuffers, Workspace, check_status)
+from .dispatch import DispatchHandle
+
+
+# ---- device code ---------------------------------------------------------------------------
+@triton.jit
+def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
+                  rank, R, L, N, H, K: tl.constexpr, BJ: tl.constexpr, BLOCK_H: tl.constexpr,
+                  OUT_DTYPE: tl.constexpr):
+    """Weighted partial sum of each received row's local experts, stored back at its source."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for blk in range(pid, tl.cdiv(R * N, BJ), nprog):
+        src = (blk * BJ) // N  # BJ divides N: one source per block, so one base pointer
+        i = (blk * BJ) % N + tl.arange(0, BJ)
+        j = (src * N + i).to(tl.int64)
+        live = i < tl.load(recv_counts_ptr + src)
+        if tl.max(live.to(tl.int32), axis=0) > 0:
+            dst = peer_ptr(peer_bases_ptr, src, off_x, OUT_DTYPE) + (rank * N + i)[:, None].to(tl.int64) * H
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                cm = cols < H
+                acc = tl.zeros((BJ, BLOCK_H), dtype=tl.float32)
+                for k in tl.static_range(K):
+                    ids = tl.load(meta_ptr + j * (3 * K) + k, mask=live, other=-1)
+                    e = ids - rank * L
+                    here = live & (ids >= 0) & (e >= 0) & (e < L)
+                    pos = tl.load(src_offsets_ptr + src * L + e, mask=here, other=0) + \
+                        tl.load(meta_ptr + j * (3 * K) + K + k, mask=here, other=0)
+                    w = tl.load(meta_ptr + j * (3 * K) + 2 * K + k, mask=here, other=0).to(tl.float32, bitcast=True)
+                    yk = tl.load(y_ptr + pos[:, None].to(tl.int64) * stride_y + cols[None, :],
+                                 mask=here[:, None] & cm[None, :], other=0.0)
+                    acc += w[:, None] * yk.to(tl.float32)
+                tl.store(dst + cols[None, :], acc.to(OUT_DTYPE), mask=live[:, None] & cm[None, :])
+
+
+@triton.jit
+def _signal_all(peer_bases_ptr, off_signal, rank, R, value):
+    tl.debug_barrier()
+    for d in range(R):
+        release_signal(peer_bases_ptr, d, off_signal, rank, value)
+
+
+@triton.jit
+def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R,
+              HAS_ADD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over ranks d of recv[d * N + slot[t, d]] (+ add[t]), fp32 accumulation."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for blk in range(pid, tl.cdiv(T, BT), nprog):
+        toks = blk * BT + tl.arange(0, BT)
+        tm = toks < T
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cm = cols < H
+            acc = tl.zeros((BT, BLOCK_H), dtype=tl.float32)
+            for d in range(R):
+                slot = tl.load(slots_ptr + toks * R + d, mask=tm, other=-1)
+                ok = slot >= 0
+                rows = (d * N + slot).to(tl.int64)
+                v = tl.load(recv_ptr + rows[:, None] * H + cols[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
+                acc += v.to(tl.float32)
+            if HAS_ADD:
+                acc += tl.load(add_ptr + toks[:, None].to(tl.int64) * stride_add + cols[None, :],
+                               mask=tm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            tl.store(out_ptr + toks[:, None].to(tl.int64) * stride_out + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr,
+                         epochs_ptr, counters_ptr, off_x, off_signal, rank, R, L, N, H,
+                         K: tl.constexpr, BJ: tl.constexpr, BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    epoch = tl.load(epochs_ptr)
+    _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
+                  rank, R, L, N, H, K, BJ, BLOCK_H, OUT_DTYPE)
+    if last_program_done(counters_ptr):
+        _signal_all(peer_bases_ptr, off_signal, rank, R, epoch + 1)
+
+
+@triton.jit
+def _combine_recv_kernel(signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
+                         epochs_ptr, counters_ptr, status_ptr, T, N, H, R, timeout_ns, max_spins,
+                         R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
+                         USE_TIMER: tl.constexpr):
+    epoch = tl.load(epochs_ptr)
+    if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
+        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, HAS_ADD, BT, BLOCK_H)
+    if last_program_done(counters_ptr):
+        tl.store(epochs_ptr, epoch + 1)
+
+
+@triton.jit
+def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr,
+                          signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
+                          epochs_ptr, send_counter_ptr, recv_counter_ptr, status_ptr,
+                          off_x, off_signal, rank, R, L, N, H, T, timeout_ns, max_spins,
+                          K: tl.constexpr, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BJ: tl.constexpr,
+                          BT: tl.constexpr, BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, USE_TIMER: tl.constexpr):
+    epoch = tl.load(epochs_ptr)
+    _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
+                  rank, R, L, N, H, K, BJ, BLOCK_H, OUT_DTYPE)
+    if last_program_done(send_counter_ptr):
+        _signal_all(peer_bases_ptr, off_signal, rank, R, epoch + 1)
+    if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
+        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, HAS_ADD, BT, BLOCK_H)
+    if last_program_done(recv_counter_ptr):
+        tl.store(epochs_ptr, epoch + 1)
+
+
+# ---- launchers -----------------------------------------------------------------------------
+_TL_DTYPES = {"bf16": tl.bfloat16, "fp32": tl.float32}
+
+
+def _rows_per_block(N: int) -> int:
+    """Rows per program step of the combine send: a power of two dividing N (so a block never
+    spans two sources), at most 8 (16 in the interpreter)."""
+    bj = 1
+    while N % (bj * 2) == 0 and bj < (16 if interpreted() else 8):
+        bj *= 2
+    return bj
+
+
+def _check_y(cfg: EPConfig, y_MH: torch.Tensor, device: torch.device) -> None:
+    check_tensor("y_MH", y_MH, dims=2, dtypes=(torch.bfloat16, torch.float32), device=device, inner_contiguous=True)
+    if y_MH.shape[1] != cfg.hidden_size or y_MH.shape[0] < cfg.max_recv_rows:
+        raise EPInputError(f"y_MH must be [>= {cfg.max_recv_rows}, {cfg.hidden_size}] (expert-major rows), "
+                           f"got {tuple(y_MH.shape)}")
+
+
+def _out(handle: DispatchHandle, cfg: EPConfig, out_dtype: torch.dtype, add_TH: torch.Tensor | None,
+         device: torch.device) -> torch.Tensor:
+    T = handle.num_tokens
+    if add_TH is not None:
+        check_tensor("add_TH", add_TH, shape=(T, cfg.hidden_size), device=device, inner_contiguous=True,
+                     dtypes=(torch.bfloat16, torch.float16, torch.float32))
+    return torch.empty(T, cfg.hidden_size, dtype=out_dtype, device=device)
+
+
+def _send_args(cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers) -> list:
+    return [y_MH, y_MH.stride(0), handle.meta_rows, handle.recv.src_offsets_RL, handle.recv.recv_counts_R,
+            bufs.peer_bases]
+
+
+def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers,
+                 ws: Workspace, num_sms: int | None = None) -> None:
+    """Return expert outputs to their sources (split form; :func:`combine_recv` completes).
+
+    y_MH [>= M_cap, H] bf16: expert outputs in the handle's expert-major order.
+    """
+    _check_y(cfg, y_MH, bufs.device)
+    R, N = cfg.world_size, cfg.max_tokens_per_rank
+    bj = _rows_per_block(N)
+    _, bh = tile_shape(cfg.hidden_size, bufs.device)
+    grid = grid_size(triton.cdiv(R * N, bj), bufs.device, num_sms if num_sms else cfg.num_sms)
+    _combine_send_kernel[(grid,)](
+        *_send_args(cfg, y_MH, handle, bufs), ws.epochs[EPOCH_COMBINE:], ws.counters[COUNTER_COMBINE_SEND:],
+        bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.rank, R,
+        cfg.experts_per_rank, N, cfg.hidden_size, K=cfg.top_k, BJ=bj, BLOCK_H=bh,
+        OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype])
+
+
+
+def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
+                 out_dtype: torch.dtype = torch.bfloat16, add_TH: torch.Tensor | None = None,
+                 num_sms: int | None = None, check: bool = True) -> torch.Tensor:
+    """Wait for every rank's partial rows and sum them per token. Returns out_TH [T, H]."""
+    out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
+    bt, bh = tile_shape(cfg.hidden_size, bufs.device)
+    timeout_ns, max_spins = int(cfg.recv_timeout_s * 1e9), max(1, int(cfg.recv_timeout_s * 1000))
+    grid = grid_size(triton.cdiv(handle.num_tokens, bt), bufs.device, num_sms if num_sms else cfg.num_sms)
+    v = bufs.local
+    _combine_recv_kernel[(grid,)](
+        v["combine.recv_count.signal"], v["combine.recv.x"], handle.layout.token_slots_TR,
+        add_TH if add_TH is not None else out, add_TH.stride(0) if add_TH is not None else 0, out, out.stride(0),
+        ws.epochs[EPOCH_COMBINE:], ws.counters[COUNTER_COMBINE_RECV:], ws.status, handle.num_tokens,
+        cfg.max_tokens_per_rank, cfg.hidden_size, cfg.world_size, timeout_ns, max_spins,
+        R_PAD=triton.next_power_of_2(cfg.world_size), HAS_ADD=add_TH is not None, BT=bt, BLOCK_H=bh,
+        USE_TIMER=not interpreted())
+    if check:
+        check_status(ws, bufs.rank, "combine")
+    return out
+
+
+def combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
+            out_dtype: torch.dtype = torch.bfloat16, add_TH: torch.Tensor | None = None,
+            num_sms: int | None = None, check: bool = True) -> torch.Tensor:
+    """Fused combine: send partial rows and sum the arrivals in one launch (GPU; all ranks at once)."""
+    _check_y(cfg, y_MH, bufs.device)
+    out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
+    R, N = cfg.world_size, cfg.max_tokens_per_rank
+    bj = _rows_per_block(N)
+    bt, bh = tile_shape(cfg.hidden_size, bufs.device)
+    timeout_ns, max_spins = int(cfg.recv_timeout_s * 1e9), max(1, int(cfg.recv_timeout_s * 1000))
+    grid = grid_size(max(triton.cdiv(R * N, bj), triton.cdiv(handle.num_tokens, bt)), bufs.device,
+                     num_sms if num_sms else cfg.num_sms)
+    v = bufs.local
+    _combine_fused_kernel[(grid,)](
+        *_send_args(cfg, y_MH, handle, bufs), v["combine.recv_count.signal"], v["combine.recv.x"],
+        handle.layout.token_slots_TR, add_TH if add_TH is not None else out,
+        add_TH.stride(0) if add_TH is not None else 0, out, out.stride(0), ws.epochs[EPOCH_COMBINE:],
+        ws.counters[COUNTER_COMBINE_SEND:], ws.counters[COUNTER_COMBINE_RECV:], ws.status,
+        bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.rank, R,
+        cfg.experts_per_rank, N, cfg.hidden_size, handle.num_tokens, timeout_ns, max_spins,
+        K=cfg.top_k, R_PAD=triton.next_power_of_2(R), HAS_ADD=add_TH is not None, BJ=bj, BT=bt, BLOCK_H=bh,
+        OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype], USE_TIMER=not interpreted())
+    if check:
+        check_status(ws, bufs.rank, "combine")
+    return out
+
+
+# ---- torch twins ---------------------------------------------------------------------------
+def combine_partials_ref(*, cfg: EPConfig, rank: int, y_MH: torch.Tensor, src_offsets_RL: torch.Tensor,
+                         counts_R: torch.Tensor, meta_rows: torch.Tensor, row_base_R: torch.Tensor) -> list[torch.Tensor]:
+    """Per source s, the fp32 partial rows [counts[s], H] that go back to it: for received row
+    i, the sum over its local experts of weight * expert output."""
+    K, L = cfg.top_k, cfg.experts_per_rank
+    out = []
+    for s in range(cfg.world_size):
+        n = int(counts_R[s])
+        j = row_base_R[s].long() + torch.arange(n, device=y_MH.device)
+        meta = meta_rows[j]
+        ids, ords = meta[:, :K].long(), meta[:, K:2 * K].long()
+        w = meta[:, 2 * K:].contiguous().view(torch.float32)
+        e = ids - rank * L
+        here = (ids >= 0) & (e >= 0) & (e < L)
+        pos = torch.where(here, src_offsets_RL[s].long()[e.clamp(0, L - 1)] + ords, 0)
+        contrib = y_MH[pos].float() * torch.where(here, w, 0.0)[..., None]
+        out.append(contrib.sum(dim=1))
+    return out
+
+
+def combine_sum_ref(*, rows_MH: torch.Tensor, row_base_R: torch.Tensor, token_slots_TR: torch.Tensor,
+                    out_dtype: torch.dtype, add_TH: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = sum_d rows[row_base[d] + slot[t, d]] (+ add[t]) in fp32."""
+    T, R = token_slots_TR.shape
+    acc = torch.zeros(T, rows_MH.shape[1], dtype=torch.float32, device=rows_MH.device)
+    for d in range(R):
+        slots = token_slots_TR[:, d].long()
+        ok = slots >= 0
+        acc[ok] += rows_MH[row_base_R[d].long() + slots[ok]].float()
+    if add_TH is not None:
+        acc += add_TH.float()
+    return acc.to(out_dtype)
+
+
+def combine_send_ref(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers,
+                     ws: Workspace, num_sms: int | None = None) -> None:
+    """Torch twin of :func:`combine_send`."""
+    _check_y(cfg, y_MH, bufs.device)
+    me, N = bufs.rank, cfg.max_tokens_per_rank
+    row_base = torch.arange(cfg.world_size, device=bufs.device) * N
+    partials = combine_partials_ref(cfg=cfg, rank=me, y_MH=y_MH, src_offsets_RL=handle.recv.src_offsets_RL,
+                                    counts_R=handle.recv.recv_counts_R, meta_rows=handle.meta_rows,
+                                    row_base_R=row_base)
+    epoch = int(ws.epochs[EPOCH_COMBINE])
+    for s, peer in enumerate(bufs.peers):
+        n = partials[s].shape[0]
+        peer["combine.recv.x"][me, :n] = partials[s].to(peer["combine.recv.x"].dtype)
+        peer["combine.recv_count.signal"][me] = epoch + 1
+
+
+def combine_recv_ref(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
+                     out_dtype: torch.dtype = torch.bfloat16, add_TH: torch.Tensor | None = None,
+                     num_sms: int | None = None, check: bool = True) -> torch.Tensor:
+    """Torch twin of :func:`combine_recv`."""
+    out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
+    v = bufs.local
+    epoch = int(ws.epochs[EPOCH_COMBINE])
+    silent = v["combine.recv_count.signal"] < epoch + 1
+    if bool(silent.any()):
+        ws.status[0] |= STATUS_TIMEOUT
+        ws.status[1:][silent] = 1
+    else:
+        N = cfg.max_tokens_per_rank
+        row_base = torch.arange(cfg.world_size, device=bufs.device) * N
+        out = combine_sum_ref(rows_MH=v["combine.recv.x"].view(-1, cfg.hidden_size), row_base_R=row_base,
+                              token_slots_TR=handle.layout.token_slots_TR, out_dtype=out_dtype, add_TH=add_TH)
+        ws.epochs[EPOCH_COMBINE] += 1
+    if check:
+        check_status(ws, bufs.rank, "combine")
+    return out

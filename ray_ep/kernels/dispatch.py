@@ -1,0 +1,497 @@
+"""Dispatch: send each token once to every rank that holds one of its experts, then lay the
+received rows out expert-major for the grouped GEMM.
+
+Legend: T tokens on this rank, K top-k, E experts, R ranks, L = E / R local experts,
+H hidden, N = N_max, M = expert-major rows (capacity: EPConfig.max_recv_rows).
+
+Send (per source rank ``me``): for every token t and destination d with
+``token_slots[t, d] = i >= 0``, store its row (bf16, or fp8 quantised once in registers
+plus scales) and its meta row (K expert ids, K ordinals, K weights) at row ``me * N + i``
+of d's ``dispatch.recv`` buffers, through d's base address. The last program then writes
+d's ``counts[me] = [rows for d, rows for each of d's experts]`` and releases d's
+``signal[me] = epoch + 1`` (see ``_sync``).
+
+Receive (per rank): wait for every source's signal, then from the counts compute each
+local expert's segment (``row_offsets``) and where source s's rows of expert e start
+(``src_offsets[s, e]``); row (s, i) for its k-th expert e lands at expert-major row
+``src_offsets[s, e] + ordinal[k]``. Rows are not copied again: ``row_ids[m]`` names the
+receive row ``s * N + i`` that expert-major row m reads (-1 for padding), and the grouped
+GEMM gathers through it. Inside a segment rows are ordered by (source, token), exactly as
+:func:`ray_ep.reference.dispatch`.
+
+Example (R = 2, L = 1, N = 4, rank 1 receiving, alignment 1): source 0 sent 2 rows for
+expert 1, source 1 sent 1 row: counts = [[2, 2], [1, 1]], row_offsets = [0, 3],
+src_offsets = [[0], [2]], row_ids = [0, 1, 4] (rows 0, 1 of region 0, row 0 of region 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import FP8_GROUP, EPConfig
+from ..errors import EPInputError
+from ._sync import last_program_done, now_ns, peer_ptr, release_signal, wait_signals  # noqa: F401
+from ._util import check_tensor, grid_size, interpreted, tile_shape
+from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW,
+                      SymmetricBuffers, Workspace, check_status)
+from .layout import DispatchLayout, compute_layout, compute_layout_ref
+from .quant import quantize_group
+
+_STATUS_OVERFLOW = tl.constexpr(STATUS_OVERFLOW)
+
+
+@dataclass(frozen=True)
+class RecvLayout:
+    """Receive side of a dispatch, all int32 on the rank's device.
+
+    ``row_ids_M`` [M_cap]: receive row read by each expert-major row (-1 padding/unused);
+    ``row_offsets_L1`` [L + 1]: segment bounds; ``num_tokens_L`` [L]: real rows per local
+    expert; ``src_offsets_RL`` [R, L]: first expert-major row of (source, expert);
+    ``recv_counts_R`` [R]: rows received from each source.
+    """
+
+    row_ids_M: torch.Tensor
+    row_offsets_L1: torch.Tensor
+    num_tokens_L: torch.Tensor
+    src_offsets_RL: torch.Tensor
+    recv_counts_R: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: EPConfig, device: torch.device | str) -> "RecvLayout":
+        R, L = cfg.world_size, cfg.experts_per_rank
+
+        def z(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int32, device=device)
+
+        return cls(torch.full((cfg.max_recv_rows,), -1, dtype=torch.int32, device=device),
+                   z(L + 1), z(L), z(R, L), z(R))
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """Everything the expert compute and the combine of one round need.
+
+    ``x_rows`` [R * N, H] receive rows (bf16 or fp8; a view of the symmetric buffer: valid
+    until the next dispatch), ``scales_rows`` [R * N, H / 128] fp32 for fp8, ``meta_rows``
+    [R * N, 3K] int32. Expert-major row m is ``x_rows[recv.row_ids_M[m]]``.
+    """
+
+    layout: DispatchLayout
+    recv: RecvLayout
+    x_rows: torch.Tensor
+    scales_rows: torch.Tensor | None
+    meta_rows: torch.Tensor
+    num_tokens: int
+
+
+# ---- device code ---------------------------------------------------------------------------
+@triton.jit
+def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
+               peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R,
+               K: tl.constexpr, K_PAD: tl.constexpr, FP8: tl.constexpr,
+               BT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Store this program's share of token rows and meta rows into every destination."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    kk = tl.arange(0, K_PAD)
+    km = kk < K
+    for blk in range(pid, tl.cdiv(T, BT), nprog):
+        toks = blk * BT + tl.arange(0, BT)
+        tm = toks < T
+        mk = tm[:, None] & km[None, :]
+        ids = tl.load(ids_ptr + toks[:, None] * stride_ids + kk[None, :], mask=mk, other=-1)
+        ords = tl.load(ordinals_ptr + toks[:, None] * K + kk[None, :], mask=mk, other=-1)
+        wts = tl.load(w_ptr + toks[:, None] * stride_w + kk[None, :], mask=mk, other=0.0)
+        wbits = wts.to(tl.float32).to(tl.int32, bitcast=True)
+        for d in range(R):
+            slot = tl.load(slots_ptr + toks * R + d, mask=tm, other=-1)
+            ok = slot >= 0
+            if tl.max(ok.to(tl.int32), axis=0) > 0:
+                row = (rank * N + slot).to(tl.int64)
+                meta = peer_ptr(peer_bases_ptr, d, off_meta, tl.int32) + row[:, None] * (3 * K) + kk[None, :]
+                mm = ok[:, None] & km[None, :]
+                tl.store(meta, ids, mask=mm)
+                tl.store(meta + K, ords, mask=mm)
+                tl.store(meta + 2 * K, wbits, mask=mm)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cm = cols < H
+            x = tl.load(x_ptr + toks[:, None].to(tl.int64) * stride_x + cols[None, :],
+                        mask=tm[:, None] & cm[None, :], other=0.0)
+            if FP8:
+                q, s = quantize_group(x.to(tl.float32), BLOCK_H // 128)
+                g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+            for d in range(R):
+                slot = tl.load(slots_ptr + toks * R + d, mask=tm, other=-1)
+                ok = slot >= 0
+                if tl.max(ok.to(tl.int32), axis=0) > 0:
+                    row = (rank * N + slot).to(tl.int64)
+                    if FP8:
+                        px = peer_ptr(peer_bases_ptr, d, off_x, tl.float8e4nv)
+                        tl.store(px + row[:, None] * H + cols[None, :], q, mask=ok[:, None] & cm[None, :])
+                        ps = peer_ptr(peer_bases_ptr, d, off_scales, tl.float32)
+                        tl.store(ps + row[:, None] * (H // 128) + g[None, :], s,
+                                 mask=ok[:, None] & (g[None, :] < H // 128))
+                    else:
+                        px = peer_ptr(peer_bases_ptr, d, off_x, tl.bfloat16)
+                        tl.store(px + row[:, None] * H + cols[None, :], x, mask=ok[:, None] & cm[None, :])
+
+
+@triton.jit
+def _publish(peer_bases_ptr, off_counts, off_signal, expert_counts_ptr, rank_counts_ptr,
+             rank, R, L, value, L_PAD: tl.constexpr):
+    """Last program of a send: counts then one signal per destination."""
+    e = tl.arange(0, L_PAD)
+    for d in range(R):
+        cnt = peer_ptr(peer_bases_ptr, d, off_counts, tl.int32) + rank * (L + 1)
+        tl.store(cnt, tl.load(rank_counts_ptr + d))
+        tl.store(cnt + 1 + e, tl.load(expert_counts_ptr + d * L + e, mask=e < L), mask=e < L)
+    tl.debug_barrier()  # the counts of all threads before the release
+    for d in range(R):
+        release_signal(peer_bases_ptr, d, off_signal, rank, value)
+
+
+@triton.jit
+def _recv_layout(signal_ptr, counts_ptr, meta_ptr, target, status_ptr, scratch_ptr,
+                 row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
+                 rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins,
+                 K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
+                 A_PAD: tl.constexpr, BJ: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Wait for all sources, then write the expert-major description of what arrived."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    arrived = wait_signals(signal_ptr, R, target, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER)
+    if arrived:
+        s_idx = tl.arange(0, R_PAD)
+        e_idx = tl.arange(0, L_PAD)
+        sm = s_idx < R
+        em = e_idx < L
+        c = tl.load(counts_ptr + s_idx[:, None] * (L + 1) + 1 + e_idx[None, :],
+                    mask=sm[:, None] & em[None, :], other=0)
+        rows_from = tl.load(counts_ptr + s_idx * (L + 1), mask=sm, other=0)
+        tokens = tl.sum(c, axis=0)
+        padded = (tokens + ALIGN - 1) // ALIGN * ALIGN
+        seg_end = tl.cumsum(padded, axis=0)
+        seg_start = seg_end - padded
+        src_off = seg_start[None, :] + tl.cumsum(c, axis=0) - c
+        bad = (tl.max(rows_from, axis=0) > N) | (tl.sum(padded, axis=0) > CAP) | (tl.min(c) < 0)
+        if bad:
+            tl.atomic_or(status_ptr, _STATUS_OVERFLOW)
+        else:
+            # a private copy of src_off per program: gathers below read it after a CTA barrier
+            mine = scratch_ptr + pid * (R * L)
+            tl.store(mine + s_idx[:, None] * L + e_idx[None, :], src_off, mask=sm[:, None] & em[None, :])
+            if pid == 0:
+                tl.store(row_offsets_ptr, 0)
+                tl.store(row_offsets_ptr + 1 + e_idx, seg_end, mask=em)
+                tl.store(num_tokens_ptr + e_idx, tokens, mask=em)
+                tl.store(src_offsets_ptr + s_idx[:, None] * L + e_idx[None, :], src_off,
+                         mask=sm[:, None] & em[None, :])
+                tl.store(recv_counts_ptr + s_idx, rows_from, mask=sm)
+                a_idx = tl.arange(0, A_PAD)
+                pad_rows = (seg_start + tokens)[:, None] + a_idx[None, :]
+                tl.store(row_ids_ptr + pad_rows, -1,
+                         mask=em[:, None] & (a_idx[None, :] < (padded - tokens)[:, None]))
+            tl.debug_barrier()
+            kk = tl.arange(0, K_PAD)
+            for blk in range(pid, tl.cdiv(R * N, BJ), nprog):
+                j = blk * BJ + tl.arange(0, BJ)
+                src = j // N
+                live = (j < R * N) & ((j % N) < tl.load(counts_ptr + src * (L + 1), mask=j < R * N, other=0))
+                mk = live[:, None] & (kk[None, :] < K)
+                ids = tl.load(meta_ptr + j[:, None].to(tl.int64) * (3 * K) + kk[None, :], mask=mk, other=-1)
+                ords = tl.load(meta_ptr + j[:, None].to(tl.int64) * (3 * K) + K + kk[None, :], mask=mk, other=0)
+                e = ids - rank * L
+                here = mk & (ids >= 0) & (e >= 0) & (e < L)
+                pos = tl.load(mine + src[:, None] * L + e, mask=here, other=0) + ords
+                tl.store(row_ids_ptr + pos, j[:, None] + kk[None, :] * 0, mask=here)
+
+
+@triton.jit
+def _dispatch_send_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
+                          expert_counts_ptr, rank_counts_ptr, peer_bases_ptr, epochs_ptr, counters_ptr,
+                          off_x, off_scales, off_meta, off_counts, off_signal, T, H, N, rank, R, L,
+                          K: tl.constexpr, K_PAD: tl.constexpr, L_PAD: tl.constexpr, FP8: tl.constexpr,
+                          BT: tl.constexpr, BLOCK_H: tl.constexpr):
+    epoch = tl.load(epochs_ptr)
+    _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
+               peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R, K, K_PAD, FP8, BT, BLOCK_H)
+    if last_program_done(counters_ptr):
+        _publish(peer_bases_ptr, off_counts, off_signal, expert_counts_ptr, rank_counts_ptr,
+                 rank, R, L, epoch + 1, L_PAD)
+
+
+@triton.jit
+def _dispatch_recv_kernel(signal_ptr, counts_ptr, meta_ptr, epochs_ptr, counters_ptr, status_ptr, scratch_ptr,
+                          row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
+                          rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins,
+                          K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
+                          A_PAD: tl.constexpr, BJ: tl.constexpr, USE_TIMER: tl.constexpr):
+    epoch = tl.load(epochs_ptr)
+    _recv_layout(signal_ptr, counts_ptr, meta_ptr, epoch + 1, status_ptr, scratch_ptr,
+                 row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
+                 rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins, K, K_PAD, R_PAD, L_PAD, A_PAD, BJ, USE_TIMER)
+    if last_program_done(counters_ptr):
+        tl.store(epochs_ptr, epoch + 1)
+
+
+@triton.jit
+def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
+                           expert_counts_ptr, rank_counts_ptr, peer_bases_ptr, epochs_ptr, send_counter_ptr,
+                           recv_counter_ptr, status_ptr, scratch_ptr,
+                           row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
+                           signal_ptr, counts_ptr, meta_ptr,
+                           off_x, off_scales, off_meta, off_counts, off_signal, T, H, N, rank, R, L,
+                           CAP, ALIGN, timeout_ns, max_spins,
+                           K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
+                           A_PAD: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BJ: tl.constexpr, USE_TIMER: tl.constexpr):
+    epoch = tl.load(epochs_ptr)
+    _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
+               peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R, K, K_PAD, FP8, BT, BLOCK_H)
+    if last_program_done(send_counter_ptr):
+        _publish(peer_bases_ptr, off_counts, off_signal, expert_counts_ptr, rank_counts_ptr,
+                 rank, R, L, epoch + 1, L_PAD)
+    _recv_layout(signal_ptr, counts_ptr, meta_ptr, epoch + 1, status_ptr, scratch_ptr,
+                 row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
+                 rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins, K, K_PAD, R_PAD, L_PAD, A_PAD, BJ, USE_TIMER)
+    if last_program_done(recv_counter_ptr):
+        tl.store(epochs_ptr, epoch + 1)
+
+
+# ---- launchers -----------------------------------------------------------------------------
+def _check_send_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
+                       topk_weights_TK: torch.Tensor, device: torch.device) -> None:
+    want = (torch.bfloat16,) if cfg.dispatch_dtype == "bf16" else (torch.bfloat16, torch.float16, torch.float32)
+    check_tensor("x_TH", x_TH, dims=2, dtypes=want, device=device, inner_contiguous=True)
+    T = x_TH.shape[0]
+    if x_TH.shape[1] != cfg.hidden_size:
+        raise EPInputError(f"x_TH has {x_TH.shape[1]} channels, config hidden_size is {cfg.hidden_size}")
+    if T > cfg.max_tokens_per_rank:
+        raise EPInputError(f"{T} tokens exceed max_tokens_per_rank = {cfg.max_tokens_per_rank}; "
+                           f"split the batch or raise max_tokens_per_rank")
+    check_tensor("topk_ids_TK", topk_ids_TK, shape=(T, cfg.top_k), dtypes=(torch.int32,), device=device,
+                 inner_contiguous=True)
+    check_tensor("topk_weights_TK", topk_weights_TK, shape=(T, cfg.top_k), dtypes=(torch.float32,),
+                 device=device, inner_contiguous=True)
+
+
+def _plan_offsets(bufs: SymmetricBuffers) -> dict[str, int]:
+    fp8 = "dispatch.send.scales" in bufs.plan
+    return dict(off_x=bufs.offset("dispatch.recv.x"),
+                off_scales=bufs.offset("dispatch.recv.scales") if fp8 else 0,
+                off_meta=bufs.offset("dispatch.recv.meta"),
+                off_counts=bufs.offset("dispatch.recv_count.counts"),
+                off_signal=bufs.offset("dispatch.recv_count.signal"))
+
+
+def _send_args(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: DispatchLayout,
+               bufs: SymmetricBuffers) -> tuple[list, dict]:
+    bt, bh = tile_shape(cfg.hidden_size, x_TH.device, multiple=FP8_GROUP if cfg.dispatch_dtype == "fp8" else 8)
+    args = [x_TH, x_TH.stride(0), topk_ids_TK, topk_ids_TK.stride(0), topk_weights_TK, topk_weights_TK.stride(0),
+            layout.token_slots_TR, layout.ordinals_TK, layout.expert_counts_E, layout.rank_counts_R]
+    meta = dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), L_PAD=triton.next_power_of_2(cfg.experts_per_rank),
+                FP8=cfg.dispatch_dtype == "fp8", BT=bt, BLOCK_H=bh)
+    return args, meta
+
+
+def _recv_meta(cfg: EPConfig) -> dict:
+    return dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(cfg.world_size),
+                L_PAD=triton.next_power_of_2(cfg.experts_per_rank),
+                A_PAD=triton.next_power_of_2(cfg.expert_alignment), BJ=64 if interpreted() else 32,
+                USE_TIMER=not interpreted())
+
+
+def _timeouts(cfg: EPConfig) -> tuple[int, int]:
+    """(timeout_ns for the GPU timer, max polls for the interpreter, ~1 ms each there)."""
+    return int(cfg.recv_timeout_s * 1e9), max(1, int(cfg.recv_timeout_s * 1000))
+
+
+def _recv_outputs(rl: RecvLayout) -> list:
+    return [rl.row_ids_M, rl.row_offsets_L1, rl.num_tokens_L, rl.src_offsets_RL, rl.recv_counts_R]
+
+
+def _handle(cfg: EPConfig, bufs: SymmetricBuffers, layout: DispatchLayout, recv: RecvLayout, T: int) -> DispatchHandle:
+    R, N, H = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden_size
+    v = bufs.local
+    scales = v["dispatch.recv.scales"].view(R * N, H // FP8_GROUP) if cfg.dispatch_dtype == "fp8" else None
+    return DispatchHandle(layout, recv, v["dispatch.recv.x"].view(R * N, H), scales,
+                          v["dispatch.recv.meta"].view(R * N, 3 * cfg.top_k), T)
+
+
+def dispatch_send(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                  bufs: SymmetricBuffers, ws: Workspace, layout: DispatchLayout | None = None,
+                  num_sms: int | None = None) -> DispatchLayout:
+    """Send this rank's tokens (split form: returns at once; :func:`dispatch_recv` completes).
+
+    x_TH [T, H] bf16 (fp8 dispatch also takes fp16/fp32: it quantises inside the send);
+    topk_ids_TK [T, K] int32 (-1 = unused); topk_weights_TK [T, K] fp32. Returns the
+    send-side layout, which :func:`dispatch_recv` and the combine need.
+    """
+    dev = bufs.device
+    _check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, dev)
+    if layout is None:
+        layout = compute_layout(topk_ids_TK=topk_ids_TK, world_size=cfg.world_size,
+                                experts_per_rank=cfg.experts_per_rank)
+    args, meta = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, bufs)
+    grid = grid_size(triton.cdiv(x_TH.shape[0], meta["BT"]), dev, num_sms if num_sms else cfg.num_sms)
+    _dispatch_send_kernel[(grid,)](
+        *args, bufs.peer_bases, ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_SEND:],
+        **_plan_offsets(bufs), T=x_TH.shape[0], H=cfg.hidden_size, N=cfg.max_tokens_per_rank,
+        rank=bufs.rank, R=cfg.world_size, L=cfg.experts_per_rank, **meta)
+    return layout
+
+
+def dispatch_recv(*, cfg: EPConfig, layout: DispatchLayout, bufs: SymmetricBuffers, ws: Workspace,
+                  num_tokens: int, out: RecvLayout | None = None, num_sms: int | None = None,
+                  check: bool = True) -> DispatchHandle:
+    """Wait for every source's rows and build the expert-major description (split form).
+
+    ``check`` syncs with the device and raises EPTimeoutError / EPOverflowError when a
+    source stayed silent or sent more than the buffers hold; with ``check=False`` call
+    :func:`ray_ep.kernels.buffers.check_status` later.
+    """
+    recv = out if out is not None else RecvLayout.allocate(cfg, bufs.device)
+    timeout_ns, max_spins = _timeouts(cfg)
+    meta = _recv_meta(cfg)
+    grid = grid_size(triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]), bufs.device,
+                     num_sms if num_sms else cfg.num_sms)
+    v = bufs.local
+    _dispatch_recv_kernel[(grid,)](
+        v["dispatch.recv_count.signal"], v["dispatch.recv_count.counts"], v["dispatch.recv.meta"],
+        ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_RECV:], ws.status, ws.scratch,
+        *_recv_outputs(recv), bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.max_tokens_per_rank,
+        cfg.max_recv_rows, cfg.expert_alignment, timeout_ns, max_spins, **meta)
+    if check:
+        check_status(ws, bufs.rank, "dispatch")
+    return _handle(cfg, bufs, layout, recv, num_tokens)
+
+
+def dispatch(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+             bufs: SymmetricBuffers, ws: Workspace, out: RecvLayout | None = None, num_sms: int | None = None,
+             check: bool = True) -> DispatchHandle:
+    """Fused dispatch: send and receive in one launch (GPU; every rank must launch it at once)."""
+    dev = bufs.device
+    _check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, dev)
+    layout = compute_layout(topk_ids_TK=topk_ids_TK, world_size=cfg.world_size, experts_per_rank=cfg.experts_per_rank)
+    recv = out if out is not None else RecvLayout.allocate(cfg, dev)
+    args, send_meta = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, bufs)
+    meta = {**_recv_meta(cfg), **send_meta}
+    timeout_ns, max_spins = _timeouts(cfg)
+    work = max(triton.cdiv(x_TH.shape[0], meta["BT"]), triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]))
+    grid = grid_size(work, dev, num_sms if num_sms else cfg.num_sms)
+    v = bufs.local
+    _dispatch_fused_kernel[(grid,)](
+        *args, bufs.peer_bases, ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_SEND:],
+        ws.counters[COUNTER_DISPATCH_RECV:], ws.status, ws.scratch, *_recv_outputs(recv),
+        v["dispatch.recv_count.signal"], v["dispatch.recv_count.counts"], v["dispatch.recv.meta"],
+        **_plan_offsets(bufs), T=x_TH.shape[0], H=cfg.hidden_size, N=cfg.max_tokens_per_rank,
+        rank=bufs.rank, R=cfg.world_size, L=cfg.experts_per_rank, CAP=cfg.max_recv_rows,
+        ALIGN=cfg.expert_alignment, timeout_ns=timeout_ns, max_spins=max_spins, **meta)
+    if check:
+        check_status(ws, bufs.rank, "dispatch")
+    return _handle(cfg, bufs, layout, recv, x_TH.shape[0])
+
+
+# ---- torch twins ---------------------------------------------------------------------------
+def pack_meta_ref(topk_ids_TK: torch.Tensor, ordinals_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+    """Meta rows [T, 3K] int32: ids, ordinals, weight bits."""
+    return torch.cat([topk_ids_TK.int(), ordinals_TK.int(), topk_weights_TK.float().contiguous().view(torch.int32)], dim=1)
+
+
+def expert_major_ref(*, cfg: EPConfig, rank: int, counts_RL1: torch.Tensor, meta_rows: torch.Tensor,
+                     row_base_R: torch.Tensor, out: RecvLayout | None = None) -> RecvLayout:
+    """The receive-side layout from per-source counts and meta rows.
+
+    ``counts_RL1`` [R, L + 1]: rows from each source, then per local expert. Source s's rows
+    are ``meta_rows[row_base_R[s] + i]`` for i < counts[s, 0] (``row_base_R[s] = s * N`` for
+    the symmetric buffers, the running sum of counts for packed all-to-all output).
+    """
+    R, L, A, K = cfg.world_size, cfg.experts_per_rank, cfg.expert_alignment, cfg.top_k
+    dev = meta_rows.device
+    recv = out if out is not None else RecvLayout.allocate(cfg, dev)
+    c = counts_RL1[:, 1:].long()
+    tokens = c.sum(0)
+    padded = (tokens + A - 1) // A * A
+    seg_end = padded.cumsum(0)
+    seg_start = seg_end - padded
+    src_off = seg_start[None, :] + c.cumsum(0) - c
+    row_ids = recv.row_ids_M
+    row_ids.fill_(-1)
+    for s in range(R):
+        n = int(counts_RL1[s, 0])
+        if n == 0:
+            continue
+        j = row_base_R[s].long() + torch.arange(n, device=dev)
+        ids = meta_rows[j, :K].long()
+        ords = meta_rows[j, K:2 * K].long()
+        e = ids - rank * L
+        here = (ids >= 0) & (e >= 0) & (e < L)
+        pos = src_off[s][e.clamp(0, L - 1)] + ords
+        row_ids[pos[here]] = j[:, None].expand(-1, K)[here].int()
+    recv.row_offsets_L1.copy_(torch.cat([seg_end.new_zeros(1), seg_end]).int())
+    recv.num_tokens_L.copy_(tokens.int())
+    recv.src_offsets_RL.copy_(src_off.int())
+    recv.recv_counts_R.copy_(counts_RL1[:, 0].int())
+    return recv
+
+
+def dispatch_send_ref(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                      bufs: SymmetricBuffers, ws: Workspace, layout: DispatchLayout | None = None,
+                      num_sms: int | None = None) -> DispatchLayout:
+    """Torch twin of :func:`dispatch_send`: the same stores through the peers' typed views."""
+    _check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, bufs.device)
+    from .quant import quantize_fp8_ref
+
+    if layout is None:
+        layout = compute_layout_ref(topk_ids_TK=topk_ids_TK, world_size=cfg.world_size,
+                                    experts_per_rank=cfg.experts_per_rank)
+    me, N, L = bufs.rank, cfg.max_tokens_per_rank, cfg.experts_per_rank
+    fp8 = cfg.dispatch_dtype == "fp8"
+    rows, scales = quantize_fp8_ref(x_TH=x_TH) if fp8 else (x_TH, None)
+    meta = pack_meta_ref(topk_ids_TK, layout.ordinals_TK, topk_weights_TK)
+    epoch = int(ws.epochs[EPOCH_DISPATCH])
+    for d, peer in enumerate(bufs.peers):
+        slots = layout.token_slots_TR[:, d].long()
+        sent = slots >= 0
+        dst_rows = me * N + slots[sent]
+        peer["dispatch.recv.x"].view(-1, cfg.hidden_size)[dst_rows] = rows[sent]
+        if fp8:
+            peer["dispatch.recv.scales"].view(-1, cfg.hidden_size // FP8_GROUP)[dst_rows] = scales[sent]
+        peer["dispatch.recv.meta"].view(-1, 3 * cfg.top_k)[dst_rows] = meta[sent]
+        peer["dispatch.recv_count.counts"][me, 0] = layout.rank_counts_R[d]
+        peer["dispatch.recv_count.counts"][me, 1:] = layout.expert_counts_E[d * L:(d + 1) * L]
+        peer["dispatch.recv_count.signal"][me] = epoch + 1
+    return layout
+
+
+def dispatch_recv_ref(*, cfg: EPConfig, layout: DispatchLayout, bufs: SymmetricBuffers, ws: Workspace,
+                      num_tokens: int, out: RecvLayout | None = None, num_sms: int | None = None,
+                      check: bool = True) -> DispatchHandle:
+    """Torch twin of :func:`dispatch_recv` (a silent source is flagged at once, no waiting)."""
+    from .buffers import STATUS_TIMEOUT
+
+    v = bufs.local
+    epoch = int(ws.epochs[EPOCH_DISPATCH])
+    silent = v["dispatch.recv_count.signal"] < epoch + 1
+    recv = out if out is not None else RecvLayout.allocate(cfg, bufs.device)
+    if bool(silent.any()):
+        ws.status[0] |= STATUS_TIMEOUT
+        ws.status[1:][silent] = 1
+    else:
+        N = cfg.max_tokens_per_rank
+        counts = v["dispatch.recv_count.counts"]
+        if int(counts[:, 0].max()) > N:
+            ws.status[0] |= STATUS_OVERFLOW
+        else:
+            row_base = torch.arange(cfg.world_size, device=bufs.device, dtype=torch.int32) * N
+            expert_major_ref(cfg=cfg, rank=bufs.rank, counts_RL1=counts,
+                             meta_rows=v["dispatch.recv.meta"].view(-1, 3 * cfg.top_k), row_base_R=row_base, out=recv)
+            ws.epochs[EPOCH_DISPATCH] += 1
+    if check:
+        check_status(ws, bufs.rank, "dispatch")
+    return _handle(cfg, bufs, layout, recv, num_tokens)

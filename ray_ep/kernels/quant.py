@@ -1,0 +1,133 @@
+"""fp8 e4m3 per-token quantisation with one fp32 scale per 128 channels, and back.
+
+Legend: T rows, H channels, G = H / 128 scale groups.
+
+The device helpers :func:`quantize_group` and :func:`round_to_e4m3` are shared with the
+dispatch kernel, which quantises inside the send.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from ..config import FP8_GROUP
+from ._util import check_tensor, tile_shape
+
+FP8_MAX = reference.FP8_MAX
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """Round fp32 values in [-448, 448] to the e4m3 grid, nearest even, in fp32 arithmetic.
+
+    The final ``.to(tl.float8e4nv)`` of the result is then exact. Why not convert directly:
+    the Triton CPU interpreter mis-rounds when the mantissa carry reaches the exponent
+    (7.93 -> 4.0); on GPUs both ways agree.
+    Example: 7.93 -> 8.0, 0.30 -> 0.3125, 0.001 -> 0.001953125 (subnormal step 2^-9).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    # keep 3 mantissa bits: add half an ulp (minus one, plus the kept lsb for ties-to-even)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    # below 2^-6 e4m3 is subnormal with a fixed step of 2^-9: the add/sub of 1.5 * 2^14
+    # makes fp32 itself round at that step
+    sub = (v + 24576.0) - 24576.0
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+
+@triton.jit
+def quantize_group(x, GROUPS: tl.constexpr):
+    """Quantise a [ROWS, GROUPS * 128] fp32 tile. Returns (q as float8e4nv [ROWS, GROUPS*128],
+    scales fp32 [ROWS, GROUPS]). scale = amax / 448 per group (1 for an all-zero group)."""
+    ROWS: tl.constexpr = x.shape[0]
+    g = tl.reshape(x, (ROWS, GROUPS, 128))
+    amax = tl.max(tl.abs(g), axis=2)
+    nonzero = amax > 0
+    safe = tl.where(nonzero, amax, 1.0)
+    inv = tl.where(nonzero, tl.math.div_rn(tl.full(safe.shape, 448.0, tl.float32), safe), 1.0)
+    scales = tl.where(nonzero, tl.math.div_rn(safe, tl.full(safe.shape, 448.0, tl.float32)), 1.0)
+    v = g * inv[:, :, None]
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    q = round_to_e4m3(v).to(tl.float8e4nv)
+    return tl.reshape(q, (ROWS, GROUPS * 128)), scales
+
+
+@triton.jit
+def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_x, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows[:, None] < T
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        mask = rmask & (cols[None, :] < H)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
+        q, s = quantize_group(x.to(tl.float32), BLOCK_H // 128)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], q, mask=mask)
+        g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+        tl.store(s_ptr + rows[:, None] * (H // 128) + g[None, :], s, mask=rmask & (g[None, :] < H // 128))
+
+
+@triton.jit
+def _dequantize_fp8_kernel(q_ptr, s_ptr, out_ptr, T, H, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows[:, None] < T
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        mask = rmask & (cols[None, :] < H)
+        q = tl.load(q_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], mask=mask, other=0.0)
+        g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+        s = tl.load(s_ptr + rows[:, None] * (H // 128) + g[None, :], mask=rmask & (g[None, :] < H // 128), other=1.0)
+        v = tl.reshape(q.to(tl.float32), (BLOCK_T, BLOCK_H // 128, 128)) * s[:, :, None]
+        v = tl.reshape(v, (BLOCK_T, BLOCK_H))
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_h(H: int) -> None:
+    if H % FP8_GROUP:
+        raise ValueError(f"fp8 quantisation needs H a multiple of {FP8_GROUP}, got H = {H}")
+
+
+def quantize_fp8(*, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise rows to fp8 e4m3 with one fp32 scale per 128 channels.
+
+    x_TH [T, H] bf16/fp16/fp32 (rows may be strided). Returns q_TH [T, H] float8_e4m3fn and
+    scales_TG [T, H / 128] fp32. Example: a row of 128 channels with amax 3.5 gets scale
+    3.5 / 448 = 0.0078125 and q = x / 0.0078125 rounded to e4m3.
+    """
+    check_tensor("x_TH", x_TH, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), inner_contiguous=True)
+    T, H = x_TH.shape
+    _check_h(H)
+    q = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=x_TH.device)
+    s = torch.empty(T, H // FP8_GROUP, dtype=torch.float32, device=x_TH.device)
+    if T:
+        bt, bh = tile_shape(H, x_TH.device, multiple=FP8_GROUP)
+        _quantize_fp8_kernel[(triton.cdiv(T, bt),)](x_TH, q, s, T, H, x_TH.stride(0), BLOCK_T=bt, BLOCK_H=bh)
+    return q, s
+
+
+def dequantize_fp8(*, q_TH: torch.Tensor, scales_TG: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp8 rows with per-128-channel scales back to ``out_dtype`` [T, H]."""
+    check_tensor("q_TH", q_TH, dims=2, dtypes=(torch.float8_e4m3fn,), contiguous=True)
+    T, H = q_TH.shape
+    _check_h(H)
+    check_tensor("scales_TG", scales_TG, shape=(T, H // FP8_GROUP), dtypes=(torch.float32,),
+                 contiguous=True, device=q_TH.device)
+    out = torch.empty(T, H, dtype=out_dtype, device=q_TH.device)
+    if T:
+        bt, bh = tile_shape(H, q_TH.device, multiple=FP8_GROUP)
+        _dequantize_fp8_kernel[(triton.cdiv(T, bt),)](q_TH, scales_TG, out, T, H, BLOCK_T=bt, BLOCK_H=bh)
+    return out
+
+
+def quantize_fp8_ref(*, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`quantize_fp8`."""
+    return reference.quantize_fp8(x_TH)
+
+
+def dequantize_fp8_ref(*, q_TH: torch.Tensor, scales_TG: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Torch twin of :func:`dequantize_fp8`."""
+    return reference.dequantize_fp8(q_TH, scales_TG).to(out_dtype)

@@ -1,0 +1,268 @@
+"""Plain-torch oracle of the MoE data path over a whole world of R ranks, in one process.
+
+Legend: T tokens on a rank, K top-k, E experts, R ranks, L = E / R local experts,
+H hidden size, F expert intermediate size, M expert-major rows received by a rank.
+
+Everything here favours obviousness over speed: loops over ranks and experts, fp32 math.
+Backends and kernels are checked against these functions.
+
+Conventions shared with the kernels:
+- topk ids are global expert ids; ``-1`` marks an unused slot (that slot is skipped).
+- expert e lives on rank ``e // L`` as local expert ``e % L``.
+- a token goes once to each rank that holds any of its experts; on the receiver it
+  appears once per local expert in the expert-major layout.
+- inside one local expert's segment, rows are ordered by (source rank, source token);
+  each segment is padded with unused rows to a multiple of ``expert_alignment``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import FP8_GROUP, EPConfig
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+# ---- routing -------------------------------------------------------------------------------
+def route(router_logits_TE: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing.
+
+    Returns ``topk_ids_TK`` (int32, distinct per token) and ``topk_weights_TK`` (fp32); with
+    ``renormalize`` the K weights of a token sum to 1.
+    """
+    probs = torch.softmax(router_logits_TE.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights.float()
+
+
+# ---- fp8 -----------------------------------------------------------------------------------
+def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp8 e4m3 with one fp32 scale per 128 channels.
+
+    ``scale = amax / 448`` of each group (1 where the group is all zero) and
+    ``q = fp8(x * (448 / amax))``, rounded to nearest even. Returns q [T, H] float8_e4m3fn and
+    scales [T, H / 128] fp32; ``q * scale`` gives x back within fp8 precision.
+    """
+    T, H = x_TH.shape
+    g = x_TH.float().reshape(T, H // FP8_GROUP, FP8_GROUP)
+    amax = g.abs().amax(dim=-1)
+    nonzero = amax > 0
+    safe = torch.where(nonzero, amax, 1.0)
+    # tensor / tensor: IEEE division as in the kernel (a Python scalar numerator would make
+    # torch multiply by a reciprocal, which rounds differently)
+    fp8_max = torch.full_like(safe, FP8_MAX)
+    inv = torch.where(nonzero, fp8_max / safe, 1.0)
+    scales = torch.where(nonzero, safe / fp8_max, 1.0)
+    q = (g * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(T, H), scales
+
+
+def dequantize_fp8(q_TH: torch.Tensor, scales_TG: torch.Tensor) -> torch.Tensor:
+    """fp32 values of fp8 rows with per-128-channel scales."""
+    T, H = q_TH.shape
+    g = q_TH.float().reshape(T, H // FP8_GROUP, FP8_GROUP) * scales_TG.float()[..., None]
+    return g.reshape(T, H)
+
+
+# ---- experts -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExpertWeights:
+    """SwiGLU expert weights. ``y = (silu(x @ Wg) * (x @ Wu)) @ Wd`` with
+    ``w_gate_up[e] = [Wg | Wu]`` of shape [H, 2F] and ``w_down[e]`` of shape [F, H].
+    Routed experts are [E, ...]; shared experts [S, ...] (S may be 0)."""
+
+    w_gate_up: torch.Tensor  # [E, H, 2F]
+    w_down: torch.Tensor  # [E, F, H]
+    shared_gate_up: torch.Tensor  # [S, H, 2F]
+    shared_down: torch.Tensor  # [S, F, H]
+
+    def local(self, rank: int, experts_per_rank: int) -> "ExpertWeights":
+        """The slice of routed experts that ``rank`` holds (shared experts are replicated)."""
+        sl = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
+        return ExpertWeights(self.w_gate_up[sl], self.w_down[sl], self.shared_gate_up, self.shared_down)
+
+
+def init_expert_weights(cfg: EPConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
+    """Seeded random weights scaled so activations stay O(1) through an expert."""
+    g = torch.Generator().manual_seed(seed)
+    H, Fi, E, S = cfg.hidden_size, cfg.intermediate_size, cfg.n_experts, cfg.n_shared_experts
+
+    def rand(*shape: int, fan_in: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) / fan_in**0.5).to(dtype)
+
+    return ExpertWeights(
+        w_gate_up=rand(E, H, 2 * Fi, fan_in=H),
+        w_down=rand(E, Fi, H, fan_in=Fi),
+        shared_gate_up=rand(S, H, 2 * Fi, fan_in=H),
+        shared_down=rand(S, Fi, H, fan_in=Fi),
+    )
+
+
+def swiglu_expert(x_MH: torch.Tensor, w_gate_up_HF2: torch.Tensor, w_down_FH: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert with the roundings of the kernels: bf16 operands, fp32 accumulation,
+    bf16 between the stages. Returns [M, H] in the weights' dtype."""
+    dt = w_down_FH.dtype
+    h = (x_MH.float() @ w_gate_up_HF2.float()).to(dt).float()
+    Fi = w_down_FH.shape[0]
+    a = (F.silu(h[:, :Fi]) * h[:, Fi:]).to(dt)
+    return (a.float() @ w_down_FH.float()).to(dt)
+
+
+# ---- dispatch / combine over a world -------------------------------------------------------
+@dataclass(frozen=True)
+class RankDispatch:
+    """What one rank holds after dispatch, laid out expert-major.
+
+    ``x`` [M, H] rows in the dispatch format (bf16, or fp8 with ``scales`` [M, H/128]);
+    unused padding rows are zero. ``row_offsets`` [L+1] int32: rows of local expert i are
+    ``row_offsets[i]:row_offsets[i+1]``. ``num_tokens`` [L] int32: real rows per expert (the
+    rest of a segment is padding). ``src_info`` [M, 3] int32: (source rank, source token,
+    top-k slot) of each row, -1 for padding.
+    """
+
+    x: torch.Tensor
+    scales: torch.Tensor | None
+    row_offsets: torch.Tensor
+    num_tokens: torch.Tensor
+    src_info: torch.Tensor
+
+    def dequantized(self) -> torch.Tensor:
+        """Rows as fp32 (dequantised for fp8)."""
+        return dequantize_fp8(self.x, self.scales) if self.scales is not None else self.x.float()
+
+
+def _check_world(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.Tensor]) -> None:
+    if len(xs) != cfg.world_size or len(topk_ids) != cfg.world_size:
+        raise ValueError(f"need one input per rank ({cfg.world_size}), got {len(xs)} and {len(topk_ids)}")
+
+
+def dispatch(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.Tensor]) -> list[RankDispatch]:
+    """Dispatch the tokens of every rank; element r is what rank r receives.
+
+    ``xs[r]`` [T_r, H] bf16, ``topk_ids[r]`` [T_r, K] int32. fp8 dispatch quantises each
+    token once on its source rank.
+    """
+    _check_world(cfg, xs, topk_ids)
+    R, L, A = cfg.world_size, cfg.experts_per_rank, cfg.expert_alignment
+    fp8 = cfg.dispatch_dtype == "fp8"
+    sent = [quantize_fp8(x) if fp8 else (x, None) for x in xs]
+    out = []
+    for dst in range(R):
+        rows: list[list[tuple[int, int, int]]] = [[] for _ in range(L)]  # per local expert
+        for src in range(R):
+            ids = topk_ids[src].tolist()
+            for t, row in enumerate(ids):
+                for k, e in enumerate(row):
+                    if e >= 0 and e // L == dst:
+                        rows[e % L].append((src, t, k))
+        counts = [len(r) for r in rows]
+        padded = [-(-c // A) * A for c in counts]
+        offsets = [0]
+        for p in padded:
+            offsets.append(offsets[-1] + p)
+        M = offsets[-1]
+        H = cfg.hidden_size
+        x = torch.zeros(M, H, dtype=sent[0][0].dtype if sent else torch.bfloat16)
+        scales = torch.zeros(M, H // 128, dtype=torch.float32) if fp8 else None
+        src_info = torch.full((M, 3), -1, dtype=torch.int32)
+        for e in range(L):
+            for i, (src, t, k) in enumerate(sorted(rows[e])):
+                m = offsets[e] + i
+                x[m] = sent[src][0][t]
+                if fp8:
+                    scales[m] = sent[src][1][t]
+                src_info[m] = torch.tensor([src, t, k], dtype=torch.int32)
+        out.append(RankDispatch(x, scales, torch.tensor(offsets, dtype=torch.int32),
+                                torch.tensor(counts, dtype=torch.int32), src_info))
+    return out
+
+
+def experts(cfg: EPConfig, dispatched: list[RankDispatch], weights: ExpertWeights) -> list[torch.Tensor]:
+    """Run every rank's local experts over its expert-major rows; padding rows give 0."""
+    L = cfg.experts_per_rank
+    ys = []
+    for rank, d in enumerate(dispatched):
+        local = weights.local(rank, L)
+        x = d.dequantized().to(weights.w_down.dtype)
+        y = torch.zeros(x.shape[0], cfg.hidden_size, dtype=weights.w_down.dtype)
+        for e in range(L):
+            a = int(d.row_offsets[e])
+            b = a + int(d.num_tokens[e])
+            if b > a:
+                y[a:b] = swiglu_expert(x[a:b], local.w_gate_up[e], local.w_down[e])
+        ys.append(y)
+    return ys
+
+
+def combine(cfg: EPConfig, ys: list[torch.Tensor], dispatched: list[RankDispatch],
+                topk_weights: list[torch.Tensor], num_tokens: list[int],
+                out_dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """Return every expert output row to its source token: ``out[t] = sum_k w[t, k] * y[t, k]``
+    in fp32, cast to ``out_dtype``. ``ys[r]`` [M_r, H] are rank r's expert outputs in its
+    expert-major order; ``num_tokens[r]`` is T_r."""
+    acc = [torch.zeros(n, cfg.hidden_size, dtype=torch.float32) for n in num_tokens]
+    for y, d in zip(ys, dispatched):
+        for m, (src, t, k) in enumerate(d.src_info.tolist()):
+            if src >= 0:
+                acc[src][t] += topk_weights[src][t, k].float() * y[m].float()
+    return [a.to(out_dtype) for a in acc]
+
+
+def shared_experts(x_TH: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+    """Sum of the shared experts over a rank's own tokens, fp32."""
+    out = torch.zeros(x_TH.shape, dtype=torch.float32)
+    for s in range(weights.shared_down.shape[0]):
+        out += swiglu_expert(x_TH, weights.shared_gate_up[s], weights.shared_down[s]).float()
+    return out
+
+
+def moe_forward(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.Tensor],
+                    topk_weights: list[torch.Tensor], weights: ExpertWeights) -> list[torch.Tensor]:
+    """A whole MoE layer on every rank: dispatch, routed experts, combine, plus shared experts."""
+    d = dispatch(cfg, xs, topk_ids)
+    ys = experts(cfg, d, weights)
+    outs = combine(cfg, ys, d, topk_weights, [x.shape[0] for x in xs], out_dtype=torch.float32)
+    return [(o + shared_experts(x, weights)).to(x.dtype) for o, x in zip(outs, xs)]
+
+
+# ---- inputs for tests and benchmarks -------------------------------------------------------
+def make_inputs(cfg: EPConfig, num_tokens: list[int] | int, seed: int = 0, routing: str = "uniform",
+                zipf_s: float = 1.2, dtype: torch.dtype = torch.bfloat16
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Seeded inputs of every rank: (xs [T_r, H], topk_ids [T_r, K] int32, topk_weights [T_r, K]).
+
+    routing ``uniform``: K distinct experts uniformly at random; ``skewed``: K distinct experts
+    drawn with Zipf(s) popularity over a seeded permutation of the experts; ``one-expert``:
+    every token picks expert 0 first (the rest uniform). Every rank draws from one generator,
+    so each rank can rebuild the whole world's inputs from the seed alone.
+    """
+    R, E, K, H = cfg.world_size, cfg.n_experts, cfg.top_k, cfg.hidden_size
+    counts = [num_tokens] * R if isinstance(num_tokens, int) else list(num_tokens)
+    g = torch.Generator().manual_seed(seed)
+    if routing == "skewed":
+        popularity = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** zipf_s
+        popularity = popularity[torch.randperm(E, generator=g)]
+    xs, ids, ws = [], [], []
+    for T in counts:
+        xs.append(torch.randn(T, H, generator=g).to(dtype))
+        if routing == "uniform":
+            scores = torch.rand(T, E, generator=g)
+        elif routing == "skewed":
+            # Gumbel top-k over log-popularity = sampling K distinct experts by popularity
+            gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, dtype=torch.float64)))
+            scores = popularity.log()[None, :] + gumbel
+        elif routing == "one-expert":
+            scores = torch.rand(T, E, generator=g)
+            scores[:, 0] = 2.0
+        else:
+            raise ValueError(f"routing must be 'uniform', 'skewed' or 'one-expert', got {routing!r}")
+        ids.append(torch.topk(scores, K, dim=-1).indices.to(torch.int32))
+        w = torch.rand(T, K, generator=g) + 0.1
+        ws.append((w / w.sum(dim=-1, keepdim=True)).float())
+    return xs, ids, ws
