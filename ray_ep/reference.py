@@ -88,20 +88,29 @@ class ExpertWeights:
         return ExpertWeights(self.w_gate_up[sl], self.w_down[sl], self.shared_gate_up, self.shared_down)
 
 
-def init_expert_weights(cfg: EPConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> ExpertWeights:
-    """Seeded random weights scaled so activations stay O(1) through an expert."""
-    g = torch.Generator().manual_seed(seed)
+def init_expert_weights(cfg: EPConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                        experts: range | None = None, device: torch.device | str = "cpu") -> ExpertWeights:
+    """Seeded random weights, scaled so activations stay O(1) through an expert.
+
+    Each expert draws from its own generator (seed, expert id), so a rank can build just its
+    slice (``experts=range(rank * L, (rank + 1) * L)``) and match the whole world's weights.
+    """
     H, Fi, E, S = cfg.hidden_size, cfg.intermediate_size, cfg.n_experts, cfg.n_shared_experts
+    ids = range(E) if experts is None else experts
 
-    def rand(*shape: int, fan_in: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) / fan_in**0.5).to(dtype)
+    def one(stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + stream)
+        gate_up = (torch.randn(H, 2 * Fi, generator=g) / H**0.5).to(dtype).to(device)
+        down = (torch.randn(Fi, H, generator=g) / Fi**0.5).to(dtype).to(device)
+        return gate_up, down
 
-    return ExpertWeights(
-        w_gate_up=rand(E, H, 2 * Fi, fan_in=H),
-        w_down=rand(E, Fi, H, fan_in=Fi),
-        shared_gate_up=rand(S, H, 2 * Fi, fan_in=H),
-        shared_down=rand(S, Fi, H, fan_in=Fi),
-    )
+    def stack(pairs: list, i: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.stack([p[i] for p in pairs]) if pairs else torch.empty(0, *shape, dtype=dtype, device=device)
+
+    routed = [one(e) for e in ids]
+    shared = [one(E + s) for s in range(S)]
+    return ExpertWeights(stack(routed, 0, (H, 2 * Fi)), stack(routed, 1, (Fi, H)),
+                         stack(shared, 0, (H, 2 * Fi)), stack(shared, 1, (Fi, H)))
 
 
 def swiglu_expert(x_MH: torch.Tensor, w_gate_up_HF2: torch.Tensor, w_down_FH: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,20 @@
+"""ray_ep: Mixture-of-Experts token dispatch and combine across GPUs.
+
+Each rank is a Ray actor that owns its device, its Triton kernels and (on GPUs) its NVSHMEM
+symmetric buffers; :class:`EPCluster` drives them. On a machine without GPUs the same API
+runs CPU workers over torch.distributed (gloo).
+"""
+
+from .config import BufferPlan, EPConfig, PRESETS, plan_buffers
+from .driver import CheckReport, EPCluster
+from .errors import (EPClusterError, EPError, EPInputError, EPOverflowError, EPStateError, EPTimeoutError,
+                     EPWorkerError)
+from .reference import ExpertWeights, init_expert_weights, make_inputs, route
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BufferPlan", "CheckReport", "EPCluster", "EPClusterError", "EPConfig", "EPError", "EPInputError",
+    "EPOverflowError", "EPStateError", "EPTimeoutError", "EPWorkerError", "ExpertWeights", "PRESETS",
+    "init_expert_weights", "make_inputs", "plan_buffers", "route", "__version__",
+]

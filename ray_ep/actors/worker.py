@@ -1,0 +1,288 @@
+"""EPWorker: one rank of the expert-parallel group, living in a Ray actor.
+
+It owns its device, its transports and its experts. The driver calls it phase by phase
+(``dispatch`` -> ``compute`` -> ``combine``) or for whole layers (``forward``); per-layer
+tensors stay on the worker's device between phases.
+
+Every rank always joins a torch.distributed group (gloo on CPU, NCCL on GPU): it is the
+``torch`` backend, the NCCL baseline of the benchmarks, and a host barrier. With the
+``nvshmem`` backend the worker also bootstraps NVSHMEM and runs the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from .. import reference
+from ..config import EPConfig
+from ..errors import EPInputError, EPStateError
+from ..kernels.dispatch import DispatchHandle
+from ..kernels.experts import ExpertScratch, LocalExperts, run_experts, shared_experts
+from ..transport.base import Transport
+from .group import WorkerContext
+
+log = logging.getLogger(__name__)
+
+# set in every worker before any GPU library starts (NVLink multicast must stay off)
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+@dataclass(frozen=True)
+class DispatchSummary:
+    """What the driver learns from a dispatch (one host sync, debugging path only)."""
+
+    rank: int
+    tokens_per_expert: list[int]
+    rows_from_rank: list[int]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def validate_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
+                    topk_weights_TK: torch.Tensor, rank: int | None = None) -> None:
+    """Raise EPInputError for anything a dispatch cannot take; syncs (not for hot loops)."""
+    who = f"rank {rank}: " if rank is not None else ""
+    if not isinstance(x_TH, torch.Tensor) or x_TH.dim() != 2 or x_TH.shape[1] != cfg.hidden_size:
+        got = tuple(x_TH.shape) if isinstance(x_TH, torch.Tensor) else type(x_TH).__name__
+        raise EPInputError(f"{who}x must be [T, hidden_size={cfg.hidden_size}], got {got}")
+    T = x_TH.shape[0]
+    if T > cfg.max_tokens_per_rank:
+        raise EPInputError(f"{who}{T} tokens exceed max_tokens_per_rank = {cfg.max_tokens_per_rank}; "
+                           f"split the batch or raise max_tokens_per_rank")
+    if x_TH.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise EPInputError(f"{who}x must be bf16, fp16 or fp32, got {x_TH.dtype}")
+    for name, t, dt in (("topk_ids", topk_ids_TK, (torch.int32, torch.int64)),
+                        ("topk_weights", topk_weights_TK, (torch.float32, torch.bfloat16, torch.float16))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (T, cfg.top_k):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise EPInputError(f"{who}{name} must be [T={T}, top_k={cfg.top_k}], got {got}")
+        if t.dtype not in dt:
+            raise EPInputError(f"{who}{name} has dtype {t.dtype}; use one of {[str(d) for d in dt]}")
+    if T:
+        lo, hi = int(topk_ids_TK.min()), int(topk_ids_TK.max())
+        if lo < -1 or hi >= cfg.n_experts:
+            raise EPInputError(f"{who}topk_ids must lie in [0, n_experts={cfg.n_experts}) or be -1 (unused), "
+                               f"found values in [{lo}, {hi}]")
+        ids = topk_ids_TK.long()
+        valid = ids >= 0
+        same = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :]
+        if int(same.sum()) != int(valid.sum()):
+            raise EPInputError(f"{who}a token lists the same expert twice in topk_ids; experts must be distinct")
+        if not bool(torch.isfinite(topk_weights_TK.float()).all()):
+            raise EPInputError(f"{who}topk_weights contain NaN or Inf")
+        if not bool(torch.isfinite(x_TH.float()).all()):
+            raise EPInputError(f"{who}x contains NaN or Inf")
+
+
+class EPWorker:
+    """One rank. Constructed by :class:`~ray_ep.actors.group.EPWorkerGroup` with its context."""
+
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+        self.rank = ctx.rank
+        for k, v in GPU_ENV.items():
+            os.environ.setdefault(k, v)
+        if ctx.use_gpu:
+            if not torch.cuda.is_available():
+                raise EPStateError(f"rank {ctx.rank}: Ray granted a GPU but torch sees none "
+                                   f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+            self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            # several workers share a CPU: one thread each avoids oversubscription
+            torch.set_num_threads(max(1, int(os.environ.get("RAY_EP_CPU_THREADS", "1"))))
+        self.cfg: EPConfig | None = None
+        self.transports: dict[str, Transport] = {}
+        self.backend: str | None = None
+        self.experts: LocalExperts | None = None
+        self.scratch: ExpertScratch | None = None
+        self._handle: DispatchHandle | None = None
+        self._pending = None
+        self._y: torch.Tensor | None = None
+        self._x: torch.Tensor | None = None
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def rendezvous_address(self) -> tuple[str, int]:
+        """An address and free port on this node for the torch.distributed rendezvous."""
+        return self.ctx.node_ip, free_port()
+
+    def make_nvshmem_uid(self) -> bytes:
+        """NVSHMEM unique id (rank 0); this process hosts the bootstrap root."""
+        from ..transport.nvshmem import make_unique_id
+
+        return make_unique_id()
+
+    def device_info(self) -> dict:
+        info = {"rank": self.rank, "device": str(self.device), "node_id": self.ctx.node_id,
+                "local_rank": self.ctx.local_rank, "node_rank": self.ctx.node_rank}
+        if self.device.type == "cuda":
+            p = torch.cuda.get_device_properties(self.device)
+            info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))
+        try:
+            import nvshmem  # noqa: F401
+
+            info["nvshmem4py"] = True
+        except ImportError:
+            info["nvshmem4py"] = False
+        return info
+
+    def init_torch(self, cfg: EPConfig, master_addr: str, master_port: int) -> None:
+        """Join the torch.distributed group (collective: every rank at once)."""
+        from ..transport.torch_dist import TorchTransport
+
+        self.cfg = cfg
+        self.ctx = replace(self.ctx, master_addr=master_addr, master_port=master_port)
+        self.transports["torch"] = TorchTransport(cfg, self.rank, self.device, f"tcp://{master_addr}:{master_port}")
+        self.backend = "torch"
+
+    def init_nvshmem(self, unique_id: bytes) -> None:
+        """Bootstrap NVSHMEM and allocate the symmetric buffers (collective)."""
+        from ..transport.nvshmem import NvshmemTransport
+
+        if self.device.type != "cuda":
+            raise EPStateError(f"rank {self.rank}: the nvshmem backend needs a GPU; use backend='torch'")
+        self.transports["nvshmem"] = NvshmemTransport(self.cfg, self.rank, self.device, unique_id)
+        self.backend = "nvshmem"
+
+    def load_experts(self, seed: int | None = 0, weights: dict[str, torch.Tensor] | None = None) -> int:
+        """Seeded random experts (this rank's slice of the world's), or given local tensors
+        (keys of :class:`LocalExperts`, already sharded to this rank). Returns bytes loaded."""
+        cfg = self._cfg()
+        if weights is None:
+            w = reference.init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(), device=self.device)
+            experts = LocalExperts(w.w_gate_up, w.w_down, w.shared_gate_up, w.shared_down)
+        else:
+            experts = LocalExperts(**{k: v.to(self.device, torch.bfloat16) for k, v in weights.items()})
+        experts.check(cfg)
+        self.experts = experts
+        if self.scratch is None:
+            self.scratch = ExpertScratch.allocate(cfg, self.device)
+        return sum(t.numel() * t.element_size() for t in vars(experts).values())
+
+    def _local_expert_ids(self) -> range:
+        L = self._cfg().experts_per_rank
+        return range(self.rank * L, (self.rank + 1) * L)
+
+    def _cfg(self) -> EPConfig:
+        if self.cfg is None:
+            raise EPStateError(f"rank {self.rank}: not initialised; start the cluster first")
+        return self.cfg
+
+    def _transport(self, backend: str | None = None) -> Transport:
+        name = backend or self.backend
+        if name not in self.transports:
+            raise EPStateError(f"rank {self.rank}: backend {name!r} is not initialised here "
+                               f"(have {sorted(self.transports)})")
+        return self.transports[name]
+
+    def _inputs(self, x_TH, topk_ids_TK, topk_weights_TK, validate: bool = True):
+        cfg = self._cfg()
+        if validate:
+            validate_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, self.rank)
+        x = x_TH.to(self.device)
+        if cfg.dispatch_dtype == "bf16":
+            x = x.to(torch.bfloat16)
+        return (x.contiguous(), topk_ids_TK.to(self.device, torch.int32).contiguous(),
+                topk_weights_TK.to(self.device, torch.float32).contiguous())
+
+    # ---- phases (debugging and jobs) -----------------------------------------------------------
+    def dispatch(self, x_TH, topk_ids_TK, topk_weights_TK, fused: bool = True,
+                 backend: str | None = None) -> DispatchSummary:
+        """Dispatch this rank's tokens; keeps the handle for :meth:`compute` and :meth:`combine`."""
+        t = self._transport(backend)
+        x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK)
+        self._x, self._y = x, None
+        self._handle = t.dispatch(x, ids, w) if fused else t.dispatch_recv(t.dispatch_send(x, ids, w))
+        r = self._handle.recv
+        return DispatchSummary(self.rank, r.num_tokens_L.tolist(), r.recv_counts_R.tolist())
+
+    def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK, backend: str | None = None) -> None:
+        """Split form, first half: returns once the sends are queued."""
+        t = self._transport(backend)
+        x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK)
+        self._x, self._y, self._handle = x, None, None
+        self._pending = (t, t.dispatch_send(x, ids, w))
+
+    def dispatch_recv(self) -> DispatchSummary:
+        if self._pending is None:
+            raise EPStateError(f"rank {self.rank}: dispatch_recv without dispatch_send")
+        t, pending = self._pending
+        self._pending = None
+        self._handle = t.dispatch_recv(pending)
+        r = self._handle.recv
+        return DispatchSummary(self.rank, r.num_tokens_L.tolist(), r.recv_counts_R.tolist())
+
+    def dispatched(self) -> dict[str, torch.Tensor]:
+        """The expert-major rows this rank received (materialised, on CPU) and their layout."""
+        h = self._need_handle("dispatched")
+        M = int(h.recv.row_offsets_L1[-1])
+        ids = h.recv.row_ids_M[:M].long()
+        valid = ids >= 0
+        rows = h.x_rows[ids.clamp(min=0)]
+        if h.scales_rows is not None:
+            rows = reference.dequantize_fp8(rows, h.scales_rows[ids.clamp(min=0)])
+        rows = torch.where(valid[:, None], rows.float(), 0.0)
+        return {"x": rows.cpu(), "row_offsets": h.recv.row_offsets_L1.cpu(), "num_tokens": h.recv.num_tokens_L.cpu()}
+
+    def _need_handle(self, what: str) -> DispatchHandle:
+        if self._handle is None:
+            raise EPStateError(f"rank {self.rank}: {what} needs a completed dispatch first")
+        return self._handle
+
+    def compute(self) -> None:
+        """Run this rank's experts over the last dispatch."""
+        h = self._need_handle("compute")
+        if self.experts is None:
+            raise EPStateError(f"rank {self.rank}: no experts loaded; call load_experts first")
+        self._y = run_experts(handle=h, experts=self.experts, scratch=self.scratch, num_sms=None)
+
+    def combine(self, fused: bool = True, backend: str | None = None, out_dtype: str = "bf16") -> torch.Tensor:
+        """Return expert outputs to their tokens; out [T, H] on CPU (shared experts included)."""
+        out = self._combine(fused, backend, out_dtype)
+        return out.cpu()
+
+    def _combine(self, fused: bool, backend: str | None, out_dtype: str) -> torch.Tensor:
+        h = self._need_handle("combine")
+        if self._y is None:
+            raise EPStateError(f"rank {self.rank}: combine needs compute() after dispatch")
+        t = self._transport(backend)
+        add = shared_experts(self._x, self.experts)
+        dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[out_dtype]
+        if fused:
+            out = t.combine(self._y, h, dt, add)
+        else:
+            out = t.combine_recv(t.combine_send(self._y, h), dt, add)
+        self._handle, self._y = None, None
+        return out
+
+    def forward(self, x_TH, topk_ids_TK, topk_weights_TK, fused: bool = True, backend: str | None = None,
+                out_dtype: str = "bf16") -> torch.Tensor:
+        """One whole MoE layer on this rank's tokens; out [T, H] on CPU."""
+        self.dispatch(x_TH, topk_ids_TK, topk_weights_TK, fused=fused, backend=backend)
+        self.compute()
+        return self.combine(fused=fused, backend=backend, out_dtype=out_dtype)
+
+    def barrier(self) -> None:
+        self._transport("torch").barrier()
+
+    def ping(self) -> float:
+        return time.time()
+
+    def shutdown(self) -> None:
+        """Free symmetric memory and leave the process groups (collective for nvshmem)."""
+        self._handle = self._y = self._x = self._pending = None
+        for name in ("nvshmem", "torch"):
+            t = self.transports.pop(name, None)
+            if t is not None:
+                t.shutdown()

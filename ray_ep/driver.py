@@ -1,0 +1,330 @@
+"""The public Python API: :class:`EPCluster` starts one worker per rank and drives them.
+
+Legend: R ranks, T_r tokens on rank r, H hidden size, K top-k, E experts.
+
+>>> from ray_ep import EPCluster, EPConfig
+>>> cfg = EPConfig.preset("tiny", gpus_per_node=2)
+>>> with EPCluster(cfg) as ep:                                   # doctest: +SKIP
+...     ep.load_experts(seed=0)
+...     report = ep.check(num_tokens=16)
+...     report.passed
+True
+
+Inputs and outputs of the phase calls are lists with one CPU tensor per rank; the tensors of a
+layer stay on the workers' devices between phases. The driver validates every input before
+any worker is called, so a bad input raises and leaves the cluster usable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ray
+import torch
+
+from . import reference
+from .actors.group import EPWorkerGroup
+from .actors.worker import GPU_ENV, DispatchSummary, EPWorker, validate_inputs
+from .config import EPConfig, plan_buffers
+from .errors import EPInputError, EPStateError
+
+log = logging.getLogger(__name__)
+
+# |out - ref| / max|ref| allowed by check(): the output is bf16 (2^-8 relative per rounding)
+# and passes through several roundings (GEMM outputs, activation, partial sums on the wire)
+# that the kernels may place differently from the reference; fp32 combine leaves only the
+# bf16 expert activations.
+TOLERANCE = {"bf16": 3e-2, "fp32": 1e-2}
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """Result of :meth:`EPCluster.check`: error of every rank's output against the reference."""
+
+    max_abs_error: float
+    max_rel_error: float
+    per_rank_rel_error: list[float]
+    tolerance: float
+    backend: str
+    rounds: int
+
+    @property
+    def passed(self) -> bool:
+        return self.max_rel_error <= self.tolerance
+
+    def table(self) -> str:
+        rows = [f"{'rank':>4}  {'rel error':>10}"]
+        rows += [f"{r:>4}  {e:>10.2e}" for r, e in enumerate(self.per_rank_rel_error)]
+        verdict = "PASS" if self.passed else "FAIL"
+        rows.append(f"max rel error {self.max_rel_error:.2e} (abs {self.max_abs_error:.2e}), "
+                    f"tolerance {self.tolerance:.0e}, backend {self.backend}, {self.rounds} round(s): {verdict}")
+        return "\n".join(rows)
+
+
+def _as_config(config: EPConfig | str | dict) -> EPConfig:
+    if isinstance(config, EPConfig):
+        return config
+    if isinstance(config, dict):
+        return EPConfig.from_dict(config)
+    if isinstance(config, str):
+        if config.endswith((".yaml", ".yml", ".json")) or os.path.exists(config):
+            return EPConfig.from_file(config)
+        return EPConfig.preset(config)
+    raise TypeError(f"config must be an EPConfig, a preset name, a YAML/JSON path or a dict, got {type(config).__name__}")
+
+
+class EPCluster:
+    """An expert-parallel group of R workers on a Ray cluster, and the driver's handle on it.
+
+    Args:
+        config: an :class:`EPConfig`, a preset name, a YAML/JSON path or a dict of fields.
+        address: Ray address to connect to ("auto" for an existing cluster); None starts a
+            local Ray (the embedded default) unless one is already connected.
+        use_gpu: one GPU per worker; None decides from the cluster (GPUs for every rank).
+        runtime_env: extra Ray runtime_env for the workers (env vars are merged with the
+            ones NVSHMEM/NCCL need: NVLink multicast stays off).
+        num_cpus_per_worker: CPU slots per worker (default 1 with GPUs, 0.5 without).
+        placement_strategy: see :class:`~ray_ep.actors.group.EPWorkerGroup`.
+    """
+
+    def __init__(self, config: EPConfig | str | dict, *, address: str | None = None, use_gpu: bool | None = None,
+                 runtime_env: dict | None = None, num_cpus_per_worker: float | None = None,
+                 placement_strategy: str | None = None):
+        self.config = _as_config(config)
+        self._address = address
+        self._use_gpu = use_gpu
+        self._runtime_env = runtime_env or {}
+        self._num_cpus = num_cpus_per_worker
+        self._strategy = placement_strategy
+        self._group: EPWorkerGroup | None = None
+        self._owns_ray = False
+        self._phase: str | None = None
+        self._num_tokens: list[int] = []
+        self.backend: str | None = None
+        self._experts_loaded = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "EPCluster":
+        """Start Ray if needed, the workers, the rendezvous and the backend."""
+        if self._group is not None:
+            raise EPStateError("the cluster is already started")
+        cfg = self.config
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"address": self._address or "local"}
+            if self._address is None:
+                # a fresh local Ray; logical CPU slots for every worker even on a 2-core laptop
+                kwargs.update(num_cpus=max(os.cpu_count() or 1, cfg.world_size), include_dashboard=False)
+            ray.init(**kwargs)
+            self._owns_ray = True
+        gpus = ray.cluster_resources().get("GPU", 0)
+        use_gpu = self._use_gpu if self._use_gpu is not None else gpus >= cfg.world_size
+        backend = cfg.backend
+        if backend == "auto":
+            backend = "nvshmem" if use_gpu else "torch"
+        if backend == "nvshmem" and not use_gpu:
+            raise EPStateError(f"backend 'nvshmem' needs one GPU per rank ({cfg.world_size}); the cluster has "
+                               f"{gpus:g} GPUs. Use backend='torch' (CPU workers) or add GPUs")
+        env = dict(self._runtime_env)
+        env["env_vars"] = {**GPU_ENV, **env.get("env_vars", {}), **{k: "1" for k in ("RAY_EP_WORKER",)}}
+        num_cpus = self._num_cpus if self._num_cpus is not None else (1.0 if use_gpu else 0.5)
+        self._group = EPWorkerGroup(EPWorker, cfg, use_gpu=use_gpu, runtime_env=env, num_cpus_per_worker=num_cpus,
+                                    placement_strategy=self._strategy)
+        try:
+            self._group.start()
+            addr, port = self._group.execute_single(0, "rendezvous_address")
+            self._group.execute("init_torch", cfg, addr, port, call_timeout_s=cfg.init_timeout_s)
+            if backend == "nvshmem":
+                uid = self._group.execute_single(0, "make_nvshmem_uid")
+                self._group.execute("init_nvshmem", uid, call_timeout_s=cfg.init_timeout_s)
+        except BaseException:
+            self._teardown()
+            raise
+        self.backend = backend
+        log.info("ray_ep: %d workers up, backend %s", cfg.world_size, backend)
+        return self
+
+    def shutdown(self) -> None:
+        """Free every worker's buffers, stop the workers; idempotent. Stops Ray if it started it."""
+        if self._group is not None and self._group.alive:
+            try:
+                self._group.execute("shutdown", call_timeout_s=60)
+            except Exception as e:  # a dead worker: still kill everything
+                log.warning("ray_ep: clean worker shutdown failed (%s); killing the workers", e)
+        self._teardown()
+
+    def _teardown(self) -> None:
+        if self._group is not None:
+            self._group.shutdown()
+            self._group = None
+        self._phase = None
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
+
+    def __enter__(self) -> "EPCluster":
+        return self.start() if self._group is None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def _need_group(self) -> EPWorkerGroup:
+        if self._group is None:
+            raise EPStateError("the cluster is not running: call start() (or use `with EPCluster(...)`) first")
+        return self._group
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    def info(self) -> list[dict]:
+        """One dict per rank: device, GPU name and SMs, node, whether nvshmem4py is there."""
+        return self._need_group().execute("device_info")
+
+    def health(self) -> list[bool]:
+        """Whether each worker answers a ping."""
+        return self._need_group().health()
+
+    def buffer_plan(self):
+        return plan_buffers(self.config)
+
+    # ---- experts -----------------------------------------------------------------------------
+    def load_experts(self, weights: reference.ExpertWeights | None = None, seed: int = 0) -> None:
+        """Seeded random experts (each worker builds its own slice), or the given world weights
+        (sharded here: rank r gets routed experts [r * L, (r + 1) * L) and every shared expert)."""
+        g = self._need_group()
+        if weights is None:
+            g.execute("load_experts", seed=seed)
+        else:
+            L = self.config.experts_per_rank
+            per_rank = []
+            for r in range(self.world_size):
+                w = weights.local(r, L)
+                per_rank.append({"weights": {"w_gate_up_LHF2": w.w_gate_up, "w_down_LFH": w.w_down,
+                                             "shared_gate_up_SHF2": w.shared_gate_up, "shared_down_SFH": w.shared_down}})
+            g.execute_per_rank("load_experts", [(None,)] * self.world_size, per_rank)
+        self._experts_loaded = True
+
+    # ---- phases ------------------------------------------------------------------------------
+    def _validate(self, xs: Sequence[torch.Tensor], topk_ids: Sequence[torch.Tensor],
+                  topk_weights: Sequence[torch.Tensor]) -> None:
+        R = self.world_size
+        for name, v in (("xs", xs), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if not isinstance(v, (list, tuple)) or len(v) != R:
+                raise EPInputError(f"{name} must be a list with one tensor per rank ({R}), got "
+                                   f"{len(v) if isinstance(v, (list, tuple)) else type(v).__name__}")
+        for r in range(R):
+            validate_inputs(self.config, xs[r], topk_ids[r], topk_weights[r], rank=r)
+
+    def dispatch(self, xs: Sequence[torch.Tensor], topk_ids: Sequence[torch.Tensor],
+                 topk_weights: Sequence[torch.Tensor], fused: bool = True) -> list[DispatchSummary]:
+        """Dispatch every rank's tokens.
+
+        Args: per rank r, ``xs[r]`` [T_r, H] bf16 (fp16/fp32 accepted), ``topk_ids[r]``
+        [T_r, K] int32 global expert ids (-1 = unused slot), ``topk_weights[r]`` [T_r, K] fp32.
+        Returns per rank the rows received per local expert and per source rank.
+        """
+        g = self._need_group()
+        self._validate(xs, topk_ids, topk_weights)
+        self._phase = None
+        out = g.execute_per_rank("dispatch", [(x, i, w) for x, i, w in zip(xs, topk_ids, topk_weights)],
+                                 [{"fused": fused}] * self.world_size)
+        self._num_tokens = [x.shape[0] for x in xs]
+        self._phase = "dispatched"
+        return out
+
+    def dispatch_send(self, xs, topk_ids, topk_weights) -> None:
+        """Split dispatch, first half (returns once every rank queued its sends)."""
+        g = self._need_group()
+        self._validate(xs, topk_ids, topk_weights)
+        self._phase = None
+        g.execute_per_rank("dispatch_send", [(x, i, w) for x, i, w in zip(xs, topk_ids, topk_weights)])
+        self._num_tokens = [x.shape[0] for x in xs]
+        self._phase = "sent"
+
+    def dispatch_recv(self) -> list[DispatchSummary]:
+        """Split dispatch, second half."""
+        self._expect("sent", "dispatch_recv", "dispatch_send")
+        out = self._need_group().execute("dispatch_recv")
+        self._phase = "dispatched"
+        return out
+
+    def dispatched(self, rank: int) -> dict[str, torch.Tensor]:
+        """Rank ``rank``'s received rows, expert-major (fp32, dequantised), with row_offsets
+        [L + 1] and num_tokens [L]."""
+        if self._phase not in ("dispatched", "computed"):
+            raise EPStateError("dispatched() needs a completed dispatch")
+        return self._need_group().execute_single(rank, "dispatched")
+
+    def compute(self) -> None:
+        """Every rank runs its experts over what it received."""
+        self._expect("dispatched", "compute", "dispatch")
+        if not self._experts_loaded:
+            raise EPStateError("no experts loaded: call load_experts() first")
+        self._need_group().execute("compute")
+        self._phase = "computed"
+
+    def combine(self, fused: bool = True, out_dtype: str = "bf16") -> list[torch.Tensor]:
+        """Return expert outputs to their tokens; per rank out [T_r, H] (shared experts added)."""
+        self._expect("computed", "combine", "compute")
+        out = self._need_group().execute("combine", fused=fused, out_dtype=out_dtype)
+        self._phase = None
+        return out
+
+    def _expect(self, phase: str, call: str, before: str) -> None:
+        self._need_group()
+        if self._phase != phase:
+            raise EPStateError(f"{call}() must follow {before}() (current phase: {self._phase or 'none'})")
+
+    def forward(self, xs: Sequence[torch.Tensor], topk_ids: Sequence[torch.Tensor] | None = None,
+                topk_weights: Sequence[torch.Tensor] | None = None,
+                router_logits: Sequence[torch.Tensor] | None = None, fused: bool = True,
+                out_dtype: str = "bf16") -> list[torch.Tensor]:
+        """A whole MoE layer on every rank. Give topk ids and weights, or router logits
+        ([T_r, E] per rank, softmax top-k with renormalised weights)."""
+        g = self._need_group()
+        if router_logits is not None:
+            if topk_ids is not None or topk_weights is not None:
+                raise EPInputError("give either router_logits or topk_ids + topk_weights, not both")
+            if len(router_logits) != self.world_size:
+                raise EPInputError(f"router_logits must have one tensor per rank ({self.world_size})")
+            for r, lg in enumerate(router_logits):
+                if lg.dim() != 2 or lg.shape[1] != self.config.n_experts or lg.shape[0] != xs[r].shape[0]:
+                    raise EPInputError(f"rank {r}: router_logits must be [T, n_experts={self.config.n_experts}], "
+                                       f"got {tuple(lg.shape)}")
+            routed = [reference.route(lg, self.config.top_k) for lg in router_logits]
+            topk_ids, topk_weights = [r[0] for r in routed], [r[1] for r in routed]
+        if topk_ids is None or topk_weights is None:
+            raise EPInputError("forward needs topk_ids and topk_weights (or router_logits)")
+        if not self._experts_loaded:
+            raise EPStateError("no experts loaded: call load_experts() first")
+        self._validate(xs, topk_ids, topk_weights)
+        self._phase = None
+        return g.execute_per_rank("forward", [(x, i, w) for x, i, w in zip(xs, topk_ids, topk_weights)],
+                                  [{"fused": fused, "out_dtype": out_dtype}] * self.world_size)
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check(self, num_tokens: int | Sequence[int] | None = None, seed: int = 0, routing: str = "uniform",
+              rounds: int = 1, fused: bool = True, expert_seed: int = 0) -> CheckReport:
+        """Run ``rounds`` layers on fresh seeded inputs and compare every rank's output with
+        :func:`ray_ep.reference.moe_forward`. Loads seeded experts if none are loaded."""
+        cfg = self.config
+        if not self._experts_loaded:
+            self.load_experts(seed=expert_seed)
+        weights = reference.init_expert_weights(cfg, seed=expert_seed)
+        n = cfg.max_tokens_per_rank if num_tokens is None else num_tokens
+        max_abs, per_rank = 0.0, [0.0] * self.world_size
+        for i in range(rounds):
+            xs, ids, ws = reference.make_inputs(cfg, n, seed=seed + i, routing=routing)
+            outs = self.forward(xs, ids, ws, fused=fused, out_dtype=cfg.combine_dtype)
+            refs = reference.moe_forward(cfg, xs, ids, ws, weights)
+            for r, (o, e) in enumerate(zip(outs, refs)):
+                if e.numel() == 0:
+                    continue
+                diff = (o.float() - e.float()).abs().max().item()
+                scale = max(e.float().abs().max().item(), 1e-6)
+                max_abs = max(max_abs, diff)
+                per_rank[r] = max(per_rank[r], diff / scale)
+        return CheckReport(max_abs, max(per_rank), per_rank, TOLERANCE[cfg.combine_dtype], self.backend or "?", rounds)

@@ -1,0 +1,126 @@
+"""Fused SwiGLU over the expert-major rows between the two grouped GEMMs of an expert.
+
+Legend: M_max rows of the expert-major buffer (padding included), F expert intermediate size.
+``h_M2F`` holds ``[gate | up]`` per row (2F columns, the output of the gate_up GEMM).
+
+``a[m] = bf16(silu(gate[m]) * up[m])`` in fp32 arithmetic, for every real row m. A row is
+real iff ``m < total_rows`` and ``row_ids_M[m] >= 0``; padding rows are neither read nor
+written. ``total_rows`` (= ``row_offsets[L]``) lives on the device, so the launcher never
+waits on the host: its grid covers all M_max rows and blocks past ``total_rows`` exit.
+
+Example (F = 1, M_max = 4, total_rows = [3], row_ids = [0, -1, 5, 9])::
+
+    h = [[1., 2.], [7., 7.], [-1., 4.], [3., 3.]]
+    a = [[1.4609], [out], [-1.0781], [out]]    # silu(1) * 2, row 1 padding, row 3 >= total
+
+fp8 output (e4m3 + fp32 scales per 128 channels) is not implemented yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import EPInputError
+from ._util import check_tensor, interpreted, tile_shape
+
+
+@triton.jit
+def _swiglu_kernel(h_ptr, a_ptr, row_ids_ptr, total_rows_ptr, F,
+                   stride_hm, stride_hf, stride_am, stride_af,
+                   BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    total = tl.load(total_rows_ptr)
+    # the grid covers M_max rows; blocks past the real rows leave at once (no host sync)
+    if pid_m * BLOCK_M >= total:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_range = rows < total
+    ids = tl.load(row_ids_ptr + rows, mask=in_range, other=-1)
+    real = in_range & (ids >= 0)
+    cols = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = real[:, None] & (cols[None, :] < F)
+    # int64 rows: M_max * stride can pass 2^31
+    rows64 = rows.to(tl.int64)
+    gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hf
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + F * stride_hf, mask=mask, other=0.0).to(tl.float32)
+    a = gate * tl.sigmoid(gate) * up
+    a_ptrs = a_ptr + rows64[:, None] * stride_am + cols[None, :] * stride_af
+    tl.store(a_ptrs, a.to(a_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_swiglu(h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Tensor,
+                  out: torch.Tensor | None) -> tuple[int, int]:
+    """Validate the arguments of :func:`swiglu` / :func:`swiglu_ref`; returns (M_max, F)."""
+    check_tensor("h_M2F", h_M2F, dims=2, dtypes=(torch.bfloat16,))
+    M, F2 = h_M2F.shape
+    if F2 % 2:
+        raise EPInputError(f"h_M2F must hold [gate | up] with an even number of columns (2F), "
+                           f"got shape {tuple(h_M2F.shape)}")
+    dev = h_M2F.device
+    check_tensor("row_ids_M", row_ids_M, shape=(M,), dtypes=(torch.int32,), device=dev)
+    check_tensor("total_rows", total_rows, shape=(1,), dtypes=(torch.int32,), device=dev)
+    if out is not None:
+        check_tensor("out", out, shape=(M, F2 // 2), dtypes=(torch.bfloat16,), device=dev)
+    return M, F2 // 2
+
+
+def _check_launchable(device: torch.device) -> None:
+    if device.type != "cuda" and not interpreted():
+        raise EPInputError(f"swiglu runs Triton on CUDA tensors (or on CPU with TRITON_INTERPRET=1), "
+                           f"got tensors on {device}; use swiglu_ref on other devices")
+
+
+def swiglu(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU of the real rows of an expert-major buffer, without a host sync.
+
+    Args:
+        h_M2F: [M_max, 2F] bf16, gate in columns [0, F), up in [F, 2F). Any strides.
+        row_ids_M: [M_max] int32; ``-1`` marks a padding row (any value >= 0 is a real row).
+        total_rows: [1] int32 on the device, the rows in use (``row_offsets[L]``; a view such
+            as ``row_offsets[-1:]`` works). Rows at or past it are not touched.
+        out: optional [M_max, F] bf16 (any strides) to write into; padding rows keep their
+            contents. When None a new tensor is allocated with ``torch.empty``: its padding
+            rows are then undefined.
+
+    Returns:
+        a_MF [M_max, F] bf16: ``bf16(silu(gate) * up)`` computed in fp32 on real rows.
+
+    Example::
+
+        a = swiglu(h_M2F=h, row_ids_M=ids, total_rows=row_offsets[-1:])
+    """
+    M, F = _check_swiglu(h_M2F, row_ids_M, total_rows, out)
+    _check_launchable(h_M2F.device)
+    if out is None:
+        out = torch.empty(M, F, dtype=torch.bfloat16, device=h_M2F.device)
+    if M == 0 or F == 0:
+        return out
+    # 1-D index vectors are tiny: a contiguous copy (on the device, no sync) keeps the kernel simple
+    row_ids_M = row_ids_M.contiguous()
+    block_m, block_f = tile_shape(F, h_M2F.device)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(F, block_f))
+    _swiglu_kernel[grid](h_M2F, out, row_ids_M, total_rows, F,
+                         h_M2F.stride(0), h_M2F.stride(1), out.stride(0), out.stride(1),
+                         BLOCK_M=block_m, BLOCK_F=block_f, num_warps=4)
+    return out
+
+
+def swiglu_ref(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin of :func:`swiglu` (same arguments, any device; padding rows of a new output
+    are zero). Rounds like :func:`ray_ep.reference.swiglu_expert`."""
+    M, F = _check_swiglu(h_M2F, row_ids_M, total_rows, out)
+    if out is None:
+        out = torch.zeros(M, F, dtype=torch.bfloat16, device=h_M2F.device)
+    h = h_M2F.float()
+    a = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]).to(torch.bfloat16)
+    rows = torch.arange(M, device=h_M2F.device)
+    real = (rows < total_rows.to(torch.int64)) & (row_ids_M >= 0)
+    # torch.where keeps even the twin free of host syncs
+    out.copy_(torch.where(real[:, None], a, out))
+    return out

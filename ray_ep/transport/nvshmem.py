@@ -1,0 +1,145 @@
+"""The ``nvshmem`` backend: symmetric buffers from nvshmem4py and the Triton kernels.
+
+Bootstrap (DESIGN.md): rank 0's worker makes the unique id (:func:`make_unique_id`, 128
+picklable bytes; that process hosts the bootstrap root, so it must live until every rank
+has joined), the driver hands it to every worker and all call :class:`NvshmemTransport`
+at once (init is collective and blocking). Every rank then allocates the BufferPlan's block
+with one collective ``nvshmem.core.tensor``, maps its peers' blocks through NVLink
+(``get_peer_tensor``) and builds the device table of peer base addresses the kernels read.
+
+Environment the worker sets before init (never changed behind the user's back elsewhere):
+NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast), NVSHMEM_REMOTE_TRANSPORT=none on one node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..config import EPConfig, plan_buffers
+from ..errors import EPWorkerError
+from ..kernels import combine as combine_k
+from ..kernels import dispatch as dispatch_k
+from ..kernels.buffers import SymmetricBuffers, Workspace, check_status, typed_views
+from ..kernels.dispatch import DispatchHandle, RecvLayout
+from .base import Transport
+
+log = logging.getLogger(__name__)
+
+# set in the worker process before nvshmem init (also listed in the README)
+NVSHMEM_ENV = {
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+}
+
+
+def make_unique_id() -> bytes:
+    """A fresh NVSHMEM unique id as bytes (starts the bootstrap root in this process)."""
+    import nvshmem.core as nvc
+
+    return nvc.get_unique_id()._data.tobytes()
+
+
+def _uid_from_bytes(raw: bytes):
+    import numpy as np
+    import nvshmem.bindings as nvb
+    import nvshmem.core as nvc
+
+    uid = nvc.get_unique_id(empty=True)
+    uid._data[:] = np.frombuffer(raw, dtype=nvb.uniqueid_dtype)
+    return uid
+
+
+class NvshmemTransport(Transport):
+    """Dispatch / combine through NVSHMEM symmetric memory and the Triton kernels."""
+
+    name = "nvshmem"
+
+    def __init__(self, cfg: EPConfig, rank: int, device: torch.device, unique_id: bytes):
+        super().__init__(cfg, rank, device)
+        for k, v in NVSHMEM_ENV.items():
+            os.environ.setdefault(k, v)
+        if cfg.n_nodes == 1:
+            os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+        import nvshmem.core as nvc
+        from cuda.core import Device
+
+        self._nvc = nvc
+        torch.cuda.set_device(device)
+        dev = Device(device.index or 0)
+        dev.set_current()
+        nvc.init(device=dev, uid=_uid_from_bytes(unique_id), rank=rank, nranks=cfg.world_size,
+                 initializer_method="uid")
+        self._alive = True
+        plan = plan_buffers(cfg)
+        self._block = nvc.tensor((plan.total_bytes,), dtype=torch.uint8)
+        self._block.zero_()
+        blocks = []
+        for p in range(cfg.world_size):
+            if p == rank:  # never get_peer_tensor on oneself (it would skip the collective free)
+                blocks.append(self._block)
+                continue
+            try:
+                blocks.append(nvc.get_peer_tensor(self._block, p))
+            except Exception as e:  # not P2P-reachable: another node
+                raise EPWorkerError(f"rank {rank}: rank {p}'s buffers are not reachable over NVLink "
+                                    f"({e}); multi-node puts are not enabled in this build") from e
+        views = [typed_views(b, plan) for b in blocks]
+        bases = torch.tensor([b.data_ptr() for b in blocks], dtype=torch.int64, device=device)
+        self.bufs = SymmetricBuffers(plan, rank, views[rank], views, bases)
+        self.ws = Workspace.allocate(cfg, device)
+        self._recv_out = RecvLayout.allocate(cfg, device)
+        self.check = True
+        torch.cuda.synchronize()
+        nvc.barrier_all(torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        log.info("rank %d: nvshmem ready, %.1f MiB symmetric", rank, plan.total_bytes / 2**20)
+
+    # split forms ----------------------------------------------------------------------------
+    def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK):
+        layout = dispatch_k.dispatch_send(cfg=self.cfg, x_TH=x_TH, topk_ids_TK=topk_ids_TK,
+                                          topk_weights_TK=topk_weights_TK, bufs=self.bufs, ws=self.ws)
+        return layout, x_TH.shape[0]
+
+    def dispatch_recv(self, pending) -> DispatchHandle:
+        layout, T = pending
+        return dispatch_k.dispatch_recv(cfg=self.cfg, layout=layout, bufs=self.bufs, ws=self.ws, num_tokens=T,
+                                        out=self._recv_out, check=self.check)
+
+    def dispatch(self, x_TH, topk_ids_TK, topk_weights_TK) -> DispatchHandle:
+        return dispatch_k.dispatch(cfg=self.cfg, x_TH=x_TH, topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK,
+                                   bufs=self.bufs, ws=self.ws, out=self._recv_out, check=self.check)
+
+    def combine_send(self, y_MH, handle):
+        combine_k.combine_send(cfg=self.cfg, y_MH=y_MH, handle=handle, bufs=self.bufs, ws=self.ws)
+        return handle
+
+    def combine_recv(self, pending, out_dtype, add_TH=None):
+        return combine_k.combine_recv(cfg=self.cfg, handle=pending, bufs=self.bufs, ws=self.ws,
+                                      out_dtype=out_dtype, add_TH=add_TH, check=self.check)
+
+    def combine(self, y_MH, handle, out_dtype, add_TH=None):
+        return combine_k.combine(cfg=self.cfg, y_MH=y_MH, handle=handle, bufs=self.bufs, ws=self.ws,
+                                 out_dtype=out_dtype, add_TH=add_TH, check=self.check)
+
+    def check_status(self) -> None:
+        check_status(self.ws, self.rank, "last round")
+
+    def barrier(self) -> None:
+        self._nvc.barrier_all(torch.cuda.current_stream())
+        torch.cuda.synchronize()
+
+    def shutdown(self) -> None:
+        if not self._alive:
+            return
+        self._alive = False
+        torch.cuda.synchronize()
+        self.bufs = None  # drop the peer views before the memory goes
+        self._nvc.barrier_all(torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        self._nvc.free_tensor(self._block)
+        self._block = None
+        self._nvc.finalize()

@@ -1,0 +1,142 @@
+"""The ``torch`` backend: dispatch and combine over torch.distributed all_to_all_single.
+
+gloo on CPU (a laptop or CI runs the whole system), NCCL on GPUs, where it is the baseline
+("NCCL pipeline") the benchmarks compare against: layout, permute rows by destination,
+exchange counts, all_to_all_single of rows and meta, expert-major layout on the receiver;
+then partial sums per (token, rank), all_to_all_single back, sum per token.
+
+Rows travel as raw bytes (gloo has no bf16/fp8 reductions to offer and needs none).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import FP8_GROUP, EPConfig
+from ..errors import EPInputError
+from ..kernels.combine import combine_partials_ref, combine_sum_ref
+from ..kernels.dispatch import DispatchHandle, _check_send_inputs, expert_major_ref, pack_meta_ref
+from ..kernels.layout import DispatchLayout, compute_layout, compute_layout_ref
+from ..kernels.quant import quantize_fp8, quantize_fp8_ref
+from .base import Transport
+
+
+@dataclass
+class _PendingDispatch:
+    layout: DispatchLayout
+    counts_RL1: torch.Tensor
+    recv_splits: list[int]
+    rows: torch.Tensor
+    scales: torch.Tensor | None
+    meta: torch.Tensor
+    works: list
+    num_tokens: int
+
+
+@dataclass
+class _PendingCombine:
+    handle: DispatchHandle
+    rows: torch.Tensor
+    work: object
+
+
+def _exclusive_cumsum(splits: list[int], device: torch.device) -> torch.Tensor:
+    out, acc = [], 0
+    for s in splits:
+        out.append(acc)
+        acc += s
+    return torch.tensor(out, dtype=torch.int64, device=device)
+
+
+class TorchTransport(Transport):
+    """all_to_all_single over a torch.distributed process group (gloo or NCCL)."""
+
+    name = "torch"
+
+    def __init__(self, cfg: EPConfig, rank: int, device: torch.device, init_method: str):
+        super().__init__(cfg, rank, device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+                                world_size=cfg.world_size,
+                                timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
+                                **({"device_id": device} if device.type == "cuda" else {}))
+        self.group = dist.group.WORLD
+        # Triton layout kernel on GPUs (fast), its torch twin on CPUs (no interpreter cost)
+        self._layout = compute_layout if device.type == "cuda" else compute_layout_ref
+        self._quant = quantize_fp8 if device.type == "cuda" else quantize_fp8_ref
+
+    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+             async_op: bool = False):
+        # raw bytes: [rows, bytes per row]
+        o = out.view(torch.uint8).view(out.shape[0], out.shape[1] * out.element_size())
+        i = inp.contiguous().view(torch.uint8).view(inp.shape[0], inp.shape[1] * inp.element_size())
+        return dist.all_to_all_single(o, i, out_splits, in_splits, group=self.group, async_op=async_op)
+
+    def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK) -> _PendingDispatch:
+        cfg, R, L, H = self.cfg, self.cfg.world_size, self.cfg.experts_per_rank, self.cfg.hidden_size
+        _check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, self.device)
+        layout = self._layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L)
+        # counts for each destination: [rows, rows per local expert of that destination]
+        send_counts = torch.cat([layout.rank_counts_R[:, None], layout.expert_counts_E.view(R, L)], dim=1)
+        counts = torch.empty_like(send_counts)
+        self._a2a(counts, send_counts, [1] * R, [1] * R)
+        in_splits = layout.rank_counts_R.tolist()
+        recv_splits = counts[:, 0].tolist()
+        # permute: destination-major, token order inside (= slot order)
+        slots = layout.token_slots_TR
+        order = [torch.nonzero(slots[:, d] >= 0).flatten() for d in range(R)]
+        idx = torch.cat(order) if order else torch.empty(0, dtype=torch.int64, device=self.device)
+        fp8 = cfg.dispatch_dtype == "fp8"
+        rows, scales = self._quant(x_TH=x_TH) if fp8 else (x_TH, None)
+        meta = pack_meta_ref(topk_ids_TK, layout.ordinals_TK, topk_weights_TK)
+        n_in = sum(recv_splits)
+        r_rows = torch.empty(n_in, H, dtype=rows.dtype, device=self.device)
+        r_meta = torch.empty(n_in, 3 * cfg.top_k, dtype=torch.int32, device=self.device)
+        works = [self._a2a(r_rows, rows[idx], recv_splits, in_splits, async_op=True),
+                 self._a2a(r_meta, meta[idx], recv_splits, in_splits, async_op=True)]
+        r_scales = None
+        if fp8:
+            r_scales = torch.empty(n_in, H // FP8_GROUP, dtype=torch.float32, device=self.device)
+            works.append(self._a2a(r_scales, scales[idx], recv_splits, in_splits, async_op=True))
+        return _PendingDispatch(layout, counts, recv_splits, r_rows, r_scales, r_meta, works, x_TH.shape[0])
+
+    def dispatch_recv(self, pending: _PendingDispatch) -> DispatchHandle:
+        for w in pending.works:
+            w.wait()
+        row_base = _exclusive_cumsum(pending.recv_splits, self.device)
+        recv = expert_major_ref(cfg=self.cfg, rank=self.rank, counts_RL1=pending.counts_RL1,
+                                meta_rows=pending.meta, row_base_R=row_base)
+        return DispatchHandle(pending.layout, recv, pending.rows, pending.scales, pending.meta, pending.num_tokens)
+
+    def combine_send(self, y_MH, handle: DispatchHandle) -> _PendingCombine:
+        cfg = self.cfg
+        if y_MH.shape[1] != cfg.hidden_size:
+            raise EPInputError(f"y_MH must have {cfg.hidden_size} channels, got {tuple(y_MH.shape)}")
+        in_splits = handle.recv.recv_counts_R.tolist()
+        row_base = _exclusive_cumsum(in_splits, self.device)
+        parts = combine_partials_ref(cfg=cfg, rank=self.rank, y_MH=y_MH, src_offsets_RL=handle.recv.src_offsets_RL,
+                                     counts_R=handle.recv.recv_counts_R, meta_rows=handle.meta_rows, row_base_R=row_base)
+        wire = torch.bfloat16 if cfg.combine_dtype == "bf16" else torch.float32
+        send = torch.cat(parts).to(wire) if parts else torch.empty(0, cfg.hidden_size, dtype=wire, device=self.device)
+        out_splits = handle.layout.rank_counts_R.tolist()
+        rows = torch.empty(sum(out_splits), cfg.hidden_size, dtype=wire, device=self.device)
+        work = self._a2a(rows, send, out_splits, in_splits, async_op=True)
+        return _PendingCombine(handle, rows, work)
+
+    def combine_recv(self, pending: _PendingCombine, out_dtype, add_TH=None) -> torch.Tensor:
+        pending.work.wait()
+        h = pending.handle
+        row_base = _exclusive_cumsum(h.layout.rank_counts_R.tolist(), self.device)
+        return combine_sum_ref(rows_MH=pending.rows, row_base_R=row_base, token_slots_TR=h.layout.token_slots_TR,
+                               out_dtype=out_dtype, add_TH=add_TH)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,251 @@
+"""grouped_gemm (Triton) against its torch twin, and the expert chain against reference.experts.
+
+Without CUDA the kernel runs in Triton's CPU interpreter; with CUDA the same tests run compiled.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # must precede the first import of triton: @triton.jit picks the interpreter at decoration
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from ray_ep import reference  # noqa: E402
+from ray_ep.config import EPConfig  # noqa: E402
+from ray_ep.kernels.activation import swiglu, swiglu_ref  # noqa: E402
+from ray_ep.kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref  # noqa: E402
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Kernel vs. twin; values are O(1) (b is scaled by 1/sqrt(K)). Why these tolerances:
+# - "bf16": same fp32 math, one bf16 rounding at the end. bf16 keeps 8 significant bits (one
+#   ulp <= 2^-7 relative); the GPU rounds to nearest like the twin, but sums in another order
+#   can tip a rounding; the CPU interpreter truncates fp32 -> bf16 (< 1 ulp). rtol = 2^-6 is
+#   one ulp either way; atol covers outputs near zero (fp32 order noise ~1e-6, tiny ulps).
+# - "fp8": A is bf16(fp8 * scale) before the dot. With arbitrary scales the interpreter's
+#   truncation can move every A element by an ulp (2^-8 relative) against the twin's rounding;
+#   over K terms that random walk reaches ~1e-2 on O(1) outputs. (On GPUs A matches exactly.)
+# - "chain": gate_up GEMM -> SwiGLU -> down GEMM: up to an ulp of drift at each bf16 stage.
+TOL = {
+    "bf16": dict(atol=1e-2, rtol=2**-6),
+    "fp8": dict(atol=3e-2, rtol=2**-6),
+    "chain": dict(atol=3e-2, rtol=2**-5),
+}
+SENTINEL = -777.0  # exactly representable in bf16; padding rows must keep it
+
+
+def make_layout(counts, align, slack):
+    """Expert-major segments of ``counts`` real rows padded to ``align``, plus ``slack``
+    unused rows at the end. Returns (row_offsets_L1, num_tokens_L, real_M) on ``device``."""
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + -(-c // align) * align)
+    M = offsets[-1] + slack
+    real = torch.zeros(M, dtype=torch.bool)
+    for e, c in enumerate(counts):
+        real[offsets[e]:offsets[e] + c] = True
+    return (torch.tensor(offsets, dtype=torch.int32, device=device),
+            torch.tensor(counts, dtype=torch.int32, device=device), real.to(device))
+
+
+def rand_b(L, K, N, gen):
+    return (torch.randn(L, K, N, generator=gen) / K**0.5).to(torch.bfloat16).to(device)
+
+
+def rand_a(rows, K, gen):
+    return torch.randn(rows, K, generator=gen).to(torch.bfloat16).to(device)
+
+
+def check(tol, real, **kwargs):
+    """Kernel and twin into sentinel-filled outputs; real rows close, padding untouched."""
+    M, N = real.shape[0], kwargs["b_LKN"].shape[2]
+    out = torch.full((M, N), SENTINEL, dtype=torch.bfloat16, device=device)
+    ref = torch.full((M, N), SENTINEL, dtype=torch.bfloat16, device=device)
+    got = grouped_gemm(out=out, **kwargs)
+    grouped_gemm_ref(out=ref, **kwargs)
+    assert got is out
+    torch.testing.assert_close(out[real].float(), ref[real].float(), **TOL[tol])
+    assert bool((out[~real] == SENTINEL).all()), "padding rows were written"
+    assert bool((ref[~real] == SENTINEL).all()), "the twin wrote padding rows"
+    return out
+
+
+@pytest.mark.parametrize(
+    "counts,align,slack,K,N",
+    [
+        ([7, 0, 45, 1, 70], 16, 9, 160, 96),  # uneven + empty expert; K, N not tile multiples
+        ([0, 0, 130, 0], 1, 0, 128, 128),  # all rows to one expert, several m tiles
+        ([33, 64, 2], 8, 0, 256, 64),
+        ([1], 1, 0, 64, 32),  # one token, one expert
+    ],
+)
+def test_grouped_gemm_matches_twin(counts, align, slack, K, N):
+    gen = torch.Generator().manual_seed(100 + sum(counts) + K + N)
+    offsets, num_tokens, real = make_layout(counts, align, slack)
+    kw = dict(a=rand_a(real.shape[0], K, gen), b_LKN=rand_b(len(counts), K, N, gen),
+              row_offsets_L1=offsets, num_tokens_L=num_tokens)
+    check("bf16", real, **kw)
+
+
+def test_grouped_gemm_no_tokens_touches_nothing():
+    gen = torch.Generator().manual_seed(7)
+    offsets, num_tokens, real = make_layout([0, 0, 0], 8, 5)
+    out = check("bf16", real, a=rand_a(real.shape[0], 64, gen), b_LKN=rand_b(3, 64, 32, gen),
+                row_offsets_L1=offsets, num_tokens_L=num_tokens)
+    assert bool((out == SENTINEL).all())
+
+
+def test_grouped_gemm_gather_rows_from_larger_a():
+    # A is a receive buffer of 300 rows; a_row_ids maps expert-major rows into it
+    gen = torch.Generator().manual_seed(8)
+    counts = [20, 0, 41, 3]
+    offsets, num_tokens, real = make_layout(counts, 8, 6)
+    M = real.shape[0]
+    a_row_ids = torch.full((M,), -1, dtype=torch.int32)
+    a_row_ids[real.cpu()] = torch.randperm(300, generator=gen)[: sum(counts)].to(torch.int32)
+    check("bf16", real, a=rand_a(300, 128, gen), b_LKN=rand_b(4, 128, 64, gen),
+          row_offsets_L1=offsets, num_tokens_L=num_tokens, a_row_ids=a_row_ids.to(device))
+
+
+@pytest.mark.parametrize("scales", ["power-of-two", "amax"])
+def test_grouped_gemm_fp8_a(scales):
+    gen = torch.Generator().manual_seed(9)
+    counts = [17, 0, 40]
+    offsets, num_tokens, real = make_layout(counts, 4, 3)
+    M, K, rows = real.shape[0], 256, 150
+    if scales == "power-of-two":
+        # bf16(fp8 * 2^j) is exact on every device, so the bf16 tolerance applies
+        q = (torch.randn(rows, K, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        s = 2.0 ** torch.randint(-9, -3, (rows, K // 128), generator=gen).float()
+        tol = "bf16"
+    else:
+        # what fp8 dispatch produces: scale = amax / 448 per 128 channels
+        q, s = reference.quantize_fp8(torch.randn(rows, K, generator=gen).to(torch.bfloat16))
+        tol = "fp8"
+    a_row_ids = torch.full((M,), -1, dtype=torch.int32)
+    a_row_ids[real.cpu()] = torch.randperm(rows, generator=gen)[: sum(counts)].to(torch.int32)
+    check(tol, real, a=q.to(device), a_scales=s.to(device), b_LKN=rand_b(3, K, 96, gen),
+          row_offsets_L1=offsets, num_tokens_L=num_tokens, a_row_ids=a_row_ids.to(device))
+
+
+def test_grouped_gemm_fp8_without_gather():
+    gen = torch.Generator().manual_seed(10)
+    offsets, num_tokens, real = make_layout([5, 12], 8, 0)
+    q, s = reference.quantize_fp8(torch.randn(real.shape[0], 128, generator=gen).to(torch.bfloat16))
+    check("fp8", real, a=q.to(device), a_scales=s.to(device), b_LKN=rand_b(2, 128, 32, gen),
+          row_offsets_L1=offsets, num_tokens_L=num_tokens)
+
+
+def test_grouped_gemm_non_contiguous():
+    # a is a column slice of a wider buffer, b is stored [L, N, K] and viewed as [L, K, N],
+    # out is a column slice; the launcher passes every stride to the kernel
+    gen = torch.Generator().manual_seed(11)
+    offsets, num_tokens, real = make_layout([14, 0, 37], 4, 2)
+    M, K, N = real.shape[0], 96, 80
+    a = rand_a(M, K + 32, gen)[:, 32:]
+    b = rand_b(3, N, K, gen).transpose(1, 2)
+    assert not a.is_contiguous() and not b.is_contiguous()
+    wide = torch.full((M, N + 16), SENTINEL, dtype=torch.bfloat16, device=device)
+    out = wide[:, 8:8 + N]
+    grouped_gemm(a=a, b_LKN=b, row_offsets_L1=offsets, num_tokens_L=num_tokens, out=out)
+    ref = grouped_gemm_ref(a=a.contiguous(), b_LKN=b.contiguous(), row_offsets_L1=offsets,
+                           num_tokens_L=num_tokens)
+    torch.testing.assert_close(out[real].float(), ref[real].float(), **TOL["bf16"])
+    assert bool((wide[~real] == SENTINEL).all()) and bool((wide[:, :8] == SENTINEL).all())
+    assert bool((wide[:, 8 + N:] == SENTINEL).all())
+
+
+def test_grouped_gemm_persistent_grid_matches():
+    # num_sms = 3 loops each program over many tiles; the result must not change
+    gen = torch.Generator().manual_seed(12)
+    offsets, num_tokens, real = make_layout([30, 0, 70, 9], 16, 0)
+    kw = dict(a=rand_a(real.shape[0], 64, gen), b_LKN=rand_b(4, 64, 128, gen),
+              row_offsets_L1=offsets, num_tokens_L=num_tokens)
+    full = check("bf16", real, **kw)
+    few = check("bf16", real, num_sms=3, **kw)
+    assert torch.equal(full[real], few[real])
+
+
+def test_grouped_gemm_new_output():
+    gen = torch.Generator().manual_seed(13)
+    offsets, num_tokens, real = make_layout([6, 10], 1, 0)
+    kw = dict(a=rand_a(16, 64, gen), b_LKN=rand_b(2, 64, 32, gen), row_offsets_L1=offsets,
+              num_tokens_L=num_tokens)
+    out = grouped_gemm(**kw)
+    assert out.shape == (16, 32) and out.dtype == torch.bfloat16 and out.device.type == device
+    torch.testing.assert_close(out.float(), grouped_gemm_ref(**kw).float(), **TOL["bf16"])
+
+
+@pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8"])
+def test_expert_chain_matches_reference_experts(dispatch_dtype):
+    # gate_up GEMM (gathering from the dispatched rows) -> SwiGLU -> down GEMM, per rank, against
+    # reference.experts: the twins exactly, the kernels within the chain tolerance
+    cfg = EPConfig(hidden_size=128, n_experts=8, top_k=3, max_tokens_per_rank=24, intermediate_size=64,
+                   gpus_per_node=2, expert_alignment=8, dispatch_dtype=dispatch_dtype)
+    xs, ids, _ = reference.make_inputs(cfg, [24, 19], seed=14, routing="skewed")
+    weights = reference.init_expert_weights(cfg, seed=14)
+    dispatched = reference.dispatch(cfg, xs, ids)
+    expected = reference.experts(cfg, dispatched, weights)
+    for rank, d in enumerate(dispatched):
+        local = weights.local(rank, cfg.experts_per_rank)
+        M = d.x.shape[0]
+        # rows of the receive buffer in reverse order, to exercise the gather
+        recv_x = d.x.flip(0).to(device)
+        recv_scales = d.scales.flip(0).to(device) if d.scales is not None else None
+        a_row_ids = torch.where(d.src_info[:, 0] >= 0, M - 1 - torch.arange(M), -1).to(torch.int32).to(device)
+        args = dict(row_offsets_L1=d.row_offsets.to(device), num_tokens_L=d.num_tokens.to(device))
+        real = (a_row_ids >= 0).cpu()
+        for gemm, act, tol in ((grouped_gemm_ref, swiglu_ref, None), (grouped_gemm, swiglu, "chain")):
+            h = gemm(a=recv_x, a_scales=recv_scales, a_row_ids=a_row_ids,
+                     b_LKN=local.w_gate_up.to(device), **args)
+            a = act(h_M2F=h, row_ids_M=a_row_ids, total_rows=args["row_offsets_L1"][-1:])
+            y = gemm(a=a, b_LKN=local.w_down.to(device), **args).cpu()
+            if tol is None:
+                assert torch.equal(y[real], expected[rank][real])
+            else:
+                torch.testing.assert_close(y[real].float(), expected[rank][real].float(), **TOL[tol])
+
+
+def _good_args():
+    L, K, N, M = 2, 128, 32, 8
+    return dict(a=torch.zeros(M, K, dtype=torch.bfloat16, device=device),
+                b_LKN=torch.zeros(L, K, N, dtype=torch.bfloat16, device=device),
+                row_offsets_L1=torch.tensor([0, 4, 8], dtype=torch.int32, device=device),
+                num_tokens_L=torch.tensor([4, 4], dtype=torch.int32, device=device))
+
+
+F8 = torch.float8_e4m3fn
+BAD = [
+    (dict(a=torch.zeros(8, 128, dtype=torch.float16)), "a must be bfloat16, float8_e4m3fn"),
+    (dict(a=torch.zeros(8, 64, dtype=torch.bfloat16)), "a has K = 64"),
+    (dict(b_LKN=torch.zeros(2, 128, dtype=torch.bfloat16)), "b_LKN must have 3 dimensions"),
+    (dict(b_LKN=torch.zeros(2, 128, 32, dtype=torch.float32)), "b_LKN must be bfloat16"),
+    (dict(row_offsets_L1=torch.tensor([0, 8], dtype=torch.int32)), r"row_offsets_L1 must have shape \(3,\)"),
+    (dict(row_offsets_L1=torch.tensor([0, 4, 8], dtype=torch.int64)), "row_offsets_L1 must be int32"),
+    (dict(num_tokens_L=torch.tensor([4, 4], dtype=torch.int32, device="meta")), "num_tokens_L must be on"),
+    (dict(a_row_ids=torch.zeros(8, dtype=torch.int64)), "a_row_ids must be int32"),
+    (dict(a_row_ids=torch.zeros(9, dtype=torch.int32), out=torch.zeros(8, 32, dtype=torch.bfloat16)),
+     r"out must have shape \(9, 32\)"),
+    (dict(out=torch.zeros(8, 32, dtype=torch.float32)), "out must be bfloat16"),
+    (dict(a=torch.zeros(8, 128, dtype=F8)), "fp8 a needs a_scales"),
+    (dict(a=torch.zeros(8, 128, dtype=F8), a_scales=torch.ones(8, 2)), r"a_scales must have shape \(8, 1\)"),
+    (dict(a=torch.zeros(8, 128, dtype=F8), a_scales=torch.ones(8, 1, dtype=torch.float64)),
+     "a_scales must be float32"),
+    (dict(a=torch.zeros(8, 64, dtype=F8), b_LKN=torch.zeros(2, 64, 32, dtype=torch.bfloat16)),
+     "K % 128 == 0"),
+    (dict(a_scales=torch.ones(8, 1)), "a_scales is only for fp8"),
+    (dict(num_sms=0), "num_sms must be a positive int"),
+]
+
+
+@pytest.mark.parametrize("change,match", BAD)
+@pytest.mark.parametrize("fn", [grouped_gemm, grouped_gemm_ref])
+def test_grouped_gemm_bad_inputs(fn, change, match):
+    args = _good_args()
+    for k, v in change.items():
+        args[k] = v.to(device) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
+    with pytest.raises(ValueError, match=match):
+        fn(**args)
