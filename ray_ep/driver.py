@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 # that the kernels may place differently from the reference; fp32 combine leaves only the
 # bf16 expert activations.
 TOLERANCE = {"bf16": 3e-2, "fp32": 1e-2}
+CHECK_LAYER = -1  # the layer slot check() loads its seeded experts into
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class EPCluster:
         self._phase: str | None = None
         self._num_tokens: list[int] = []
         self.backend: str | None = None
-        self._experts_loaded = False
+        self._layers_loaded: set[int] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "EPCluster":
@@ -191,21 +192,39 @@ class EPCluster:
         return plan_buffers(self.config)
 
     # ---- experts -----------------------------------------------------------------------------
-    def load_experts(self, weights: reference.ExpertWeights | None = None, seed: int = 0) -> None:
-        """Seeded random experts (each worker builds its own slice), or the given world weights
-        (sharded here: rank r gets routed experts [r * L, (r + 1) * L) and every shared expert)."""
+    def load_experts(self, weights: reference.ExpertWeights | None = None, seed: int = 0, layer: int = 0) -> None:
+        """Experts of MoE layer ``layer``: seeded random (each worker builds its own slice), or
+        the given world weights (sharded here: rank r gets routed experts [r * L, (r + 1) * L)
+        and every shared expert)."""
         g = self._need_group()
         if weights is None:
-            g.execute("load_experts", seed=seed)
+            g.execute("load_experts", seed=seed, layer=layer)
         else:
             L = self.config.experts_per_rank
             per_rank = []
             for r in range(self.world_size):
                 w = weights.local(r, L)
-                per_rank.append({"weights": {"w_gate_up_LHF2": w.w_gate_up, "w_down_LFH": w.w_down,
-                                             "shared_gate_up_SHF2": w.shared_gate_up, "shared_down_SFH": w.shared_down}})
+                per_rank.append({"layer": layer, "weights": {
+                    "w_gate_up_LHF2": w.w_gate_up, "w_down_LFH": w.w_down,
+                    "shared_gate_up_SHF2": w.shared_gate_up, "shared_down_SFH": w.shared_down}})
             g.execute_per_rank("load_experts", [(None,)] * self.world_size, per_rank)
-        self._experts_loaded = True
+        self._layers_loaded.add(layer)
+
+    def run(self, fn, *args: Any, args_per_rank: Sequence[tuple] | None = None, **kwargs: Any) -> list:
+        """Run ``fn(worker, *args, **kwargs)`` inside every worker (per-rank positional args
+        with ``args_per_rank``); results in rank order.
+
+        ``worker`` is the rank's :class:`~ray_ep.actors.worker.EPWorker`: ``worker.rank``,
+        ``worker.device``, ``worker.config``, ``worker.state`` (a dict kept between calls) and
+        ``worker.moe(x, topk_ids, topk_weights, layer=i)``, a collective MoE layer returning the
+        output on the device. This is how a whole model runs inside the actors (serving)."""
+        g = self._need_group()
+        self._phase = None
+        if args_per_rank is None:
+            return g.execute("run", fn, *args, **kwargs)
+        if len(args_per_rank) != self.world_size:
+            raise EPInputError(f"args_per_rank needs one tuple per rank ({self.world_size})")
+        return g.execute_per_rank("run", [(fn, *a) for a in args_per_rank], [kwargs] * self.world_size)
 
     # ---- phases ------------------------------------------------------------------------------
     def _validate(self, xs: Sequence[torch.Tensor], topk_ids: Sequence[torch.Tensor],
@@ -258,12 +277,12 @@ class EPCluster:
             raise EPStateError("dispatched() needs a completed dispatch")
         return self._need_group().execute_single(rank, "dispatched")
 
-    def compute(self) -> None:
-        """Every rank runs its experts over what it received."""
+    def compute(self, layer: int = 0) -> None:
+        """Every rank runs its experts (of MoE layer ``layer``) over what it received."""
         self._expect("dispatched", "compute", "dispatch")
-        if not self._experts_loaded:
-            raise EPStateError("no experts loaded: call load_experts() first")
-        self._need_group().execute("compute")
+        if layer not in self._layers_loaded:
+            raise EPStateError(f"no experts loaded for layer {layer}: call load_experts(layer={layer}) first")
+        self._need_group().execute("compute", layer=layer)
         self._phase = "computed"
 
     def combine(self, fused: bool = True, out_dtype: str = "bf16") -> list[torch.Tensor]:
@@ -281,7 +300,7 @@ class EPCluster:
     def forward(self, xs: Sequence[torch.Tensor], topk_ids: Sequence[torch.Tensor] | None = None,
                 topk_weights: Sequence[torch.Tensor] | None = None,
                 router_logits: Sequence[torch.Tensor] | None = None, fused: bool = True,
-                out_dtype: str = "bf16") -> list[torch.Tensor]:
+                out_dtype: str = "bf16", layer: int = 0) -> list[torch.Tensor]:
         """A whole MoE layer on every rank. Give topk ids and weights, or router logits
         ([T_r, E] per rank, softmax top-k with renormalised weights)."""
         g = self._need_group()
@@ -298,12 +317,12 @@ class EPCluster:
             topk_ids, topk_weights = [r[0] for r in routed], [r[1] for r in routed]
         if topk_ids is None or topk_weights is None:
             raise EPInputError("forward needs topk_ids and topk_weights (or router_logits)")
-        if not self._experts_loaded:
-            raise EPStateError("no experts loaded: call load_experts() first")
+        if layer not in self._layers_loaded:
+            raise EPStateError(f"no experts loaded for layer {layer}: call load_experts(layer={layer}) first")
         self._validate(xs, topk_ids, topk_weights)
         self._phase = None
         return g.execute_per_rank("forward", [(x, i, w) for x, i, w in zip(xs, topk_ids, topk_weights)],
-                                  [{"fused": fused, "out_dtype": out_dtype}] * self.world_size)
+                                  [{"fused": fused, "out_dtype": out_dtype, "layer": layer}] * self.world_size)
 
     # ---- checks ------------------------------------------------------------------------------
     def check(self, num_tokens: int | Sequence[int] | None = None, seed: int = 0, routing: str = "uniform",
@@ -311,14 +330,14 @@ class EPCluster:
         """Run ``rounds`` layers on fresh seeded inputs and compare every rank's output with
         :func:`ray_ep.reference.moe_forward`. Loads seeded experts if none are loaded."""
         cfg = self.config
-        if not self._experts_loaded:
-            self.load_experts(seed=expert_seed)
+        # seeded experts in a layer slot of their own, so the user's layers stay untouched
+        self.load_experts(seed=expert_seed, layer=CHECK_LAYER)
         weights = reference.init_expert_weights(cfg, seed=expert_seed)
         n = cfg.max_tokens_per_rank if num_tokens is None else num_tokens
         max_abs, per_rank = 0.0, [0.0] * self.world_size
         for i in range(rounds):
             xs, ids, ws = reference.make_inputs(cfg, n, seed=seed + i, routing=routing)
-            outs = self.forward(xs, ids, ws, fused=fused, out_dtype=cfg.combine_dtype)
+            outs = self.forward(xs, ids, ws, fused=fused, out_dtype=cfg.combine_dtype, layer=CHECK_LAYER)
             refs = reference.moe_forward(cfg, xs, ids, ws, weights)
             for r, (o, e) in enumerate(zip(outs, refs)):
                 if e.numel() == 0:

@@ -105,12 +105,18 @@ class EPWorker:
         self.cfg: EPConfig | None = None
         self.transports: dict[str, Transport] = {}
         self.backend: str | None = None
-        self.experts: LocalExperts | None = None
+        self.experts: dict[int, LocalExperts] = {}
         self.scratch: ExpertScratch | None = None
+        self.state: dict = {}  # user state of code run through :meth:`run` (model weights, caches)
         self._handle: DispatchHandle | None = None
         self._pending = None
         self._y: torch.Tensor | None = None
         self._x: torch.Tensor | None = None
+        self._layer = 0
+
+    @property
+    def config(self) -> EPConfig:
+        return self._cfg()
 
     # ---- set-up ------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -155,17 +161,20 @@ class EPWorker:
         self.transports["nvshmem"] = NvshmemTransport(self.cfg, self.rank, self.device, unique_id)
         self.backend = "nvshmem"
 
-    def load_experts(self, seed: int | None = 0, weights: dict[str, torch.Tensor] | None = None) -> int:
-        """Seeded random experts (this rank's slice of the world's), or given local tensors
-        (keys of :class:`LocalExperts`, already sharded to this rank). Returns bytes loaded."""
+    def load_experts(self, seed: int | None = 0, weights: dict[str, torch.Tensor] | None = None,
+                     layer: int = 0) -> int:
+        """Experts of MoE layer ``layer``: seeded random (this rank's slice of the world's), or
+        given local tensors (keys of :class:`LocalExperts`,
+        already sharded to this rank). Returns the bytes loaded."""
         cfg = self._cfg()
         if weights is None:
-            w = reference.init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(), device=self.device)
+            w = reference.init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(),
+                                              device=self.device)
             experts = LocalExperts(w.w_gate_up, w.w_down, w.shared_gate_up, w.shared_down)
         else:
             experts = LocalExperts(**{k: v.to(self.device, torch.bfloat16) for k, v in weights.items()})
         experts.check(cfg)
-        self.experts = experts
+        self.experts[layer] = experts
         if self.scratch is None:
             self.scratch = ExpertScratch.allocate(cfg, self.device)
         return sum(t.numel() * t.element_size() for t in vars(experts).values())
@@ -240,12 +249,16 @@ class EPWorker:
             raise EPStateError(f"rank {self.rank}: {what} needs a completed dispatch first")
         return self._handle
 
-    def compute(self) -> None:
-        """Run this rank's experts over the last dispatch."""
+    def _experts_of(self, layer: int) -> LocalExperts:
+        if layer not in self.experts:
+            raise EPStateError(f"rank {self.rank}: no experts loaded for layer {layer}; call load_experts first")
+        return self.experts[layer]
+
+    def compute(self, layer: int = 0) -> None:
+        """Run this rank's experts (of MoE layer ``layer``) over the last dispatch."""
         h = self._need_handle("compute")
-        if self.experts is None:
-            raise EPStateError(f"rank {self.rank}: no experts loaded; call load_experts first")
-        self._y = run_experts(handle=h, experts=self.experts, scratch=self.scratch, num_sms=None)
+        self._layer = layer
+        self._y = run_experts(handle=h, experts=self._experts_of(layer), scratch=self.scratch)
 
     def combine(self, fused: bool = True, backend: str | None = None, out_dtype: str = "bf16") -> torch.Tensor:
         """Return expert outputs to their tokens; out [T, H] on CPU (shared experts included)."""
@@ -257,7 +270,7 @@ class EPWorker:
         if self._y is None:
             raise EPStateError(f"rank {self.rank}: combine needs compute() after dispatch")
         t = self._transport(backend)
-        add = shared_experts(self._x, self.experts)
+        add = shared_experts(self._x, self._experts_of(self._layer))
         dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[out_dtype]
         if fused:
             out = t.combine(self._y, h, dt, add)
@@ -267,11 +280,27 @@ class EPWorker:
         return out
 
     def forward(self, x_TH, topk_ids_TK, topk_weights_TK, fused: bool = True, backend: str | None = None,
-                out_dtype: str = "bf16") -> torch.Tensor:
+                out_dtype: str = "bf16", layer: int = 0) -> torch.Tensor:
         """One whole MoE layer on this rank's tokens; out [T, H] on CPU."""
-        self.dispatch(x_TH, topk_ids_TK, topk_weights_TK, fused=fused, backend=backend)
-        self.compute()
-        return self.combine(fused=fused, backend=backend, out_dtype=out_dtype)
+        out = self.moe(x_TH, topk_ids_TK, topk_weights_TK, fused=fused, backend=backend,
+                       out_dtype=out_dtype, layer=layer)
+        return out.cpu()
+
+    def moe(self, x_TH, topk_ids_TK, topk_weights_TK, fused: bool = True, backend: str | None = None,
+            out_dtype: str = "bf16", layer: int = 0, validate: bool = True) -> torch.Tensor:
+        """One MoE layer, output on this rank's device. Collective: every rank must call it
+        (with 0 tokens if it has none), in the same order."""
+        t = self._transport(backend)
+        x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate)
+        self._x, self._y = x, None
+        self._handle = t.dispatch(x, ids, w) if fused else t.dispatch_recv(t.dispatch_send(x, ids, w))
+        self.compute(layer)
+        return self._combine(fused, backend, out_dtype)
+
+    def run(self, fn, *args, **kwargs):
+        """Call ``fn(worker, *args, **kwargs)`` in this actor: user code (a model's forward, a
+        custom loop) that runs on the rank's device and calls :meth:`moe` collectively."""
+        return fn(self, *args, **kwargs)
 
     def barrier(self) -> None:
         self._transport("torch").barrier()
