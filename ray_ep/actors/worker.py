@@ -11,6 +11,7 @@ Every rank always joins a torch.distributed group (gloo on CPU, NCCL on GPU): it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -84,6 +85,52 @@ def validate_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor
             raise EPInputError(f"{who}x contains NaN or Inf")
 
 
+class PhaseStats:
+    """Wall time per phase of :meth:`EPWorker.moe` and tokens per local expert.
+
+    Off by default (timing a phase synchronises the device); :meth:`EPWorker.set_profiling`
+    turns it on. Token counts accumulate on the device without a sync.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.enabled = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.tokens = 0
+        self.expert_tokens: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    def count_tokens(self, num_tokens_L: torch.Tensor, num_local_tokens: int) -> None:
+        if not self.enabled:
+            return
+        self.tokens += num_local_tokens
+        n = num_tokens_L.to(torch.int64)
+        self.expert_tokens = n.clone() if self.expert_tokens is None else self.expert_tokens + n
+
+    def snapshot(self) -> dict:
+        return {"seconds": dict(self.seconds), "calls": dict(self.calls), "tokens": self.tokens,
+                "expert_tokens": [] if self.expert_tokens is None else self.expert_tokens.tolist()}
+
+
 class EPWorker:
     """One rank. Constructed by :class:`~ray_ep.actors.group.EPWorkerGroup` with its context."""
 
@@ -108,6 +155,7 @@ class EPWorker:
         self.experts: dict[int, LocalExperts] = {}
         self.scratch: ExpertScratch | None = None
         self.state: dict = {}  # user state of code run through :meth:`run` (model weights, caches)
+        self.stats = PhaseStats(self.device)
         self._handle: DispatchHandle | None = None
         self._pending = None
         self._y: torch.Tensor | None = None
@@ -293,14 +341,27 @@ class EPWorker:
         t = self._transport(backend)
         x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate)
         self._x, self._y = x, None
-        self._handle = t.dispatch(x, ids, w) if fused else t.dispatch_recv(t.dispatch_send(x, ids, w))
-        self.compute(layer)
-        return self._combine(fused, backend, out_dtype)
+        with self.stats.phase("dispatch"):
+            self._handle = t.dispatch(x, ids, w) if fused else t.dispatch_recv(t.dispatch_send(x, ids, w))
+        self.stats.count_tokens(self._handle.recv.num_tokens_L, x.shape[0])
+        with self.stats.phase("experts"):
+            self.compute(layer)
+        with self.stats.phase("combine"):
+            return self._combine(fused, backend, out_dtype)
 
     def run(self, fn, *args, **kwargs):
         """Call ``fn(worker, *args, **kwargs)`` in this actor: user code (a model's forward, a
         custom loop) that runs on the rank's device and calls :meth:`moe` collectively."""
         return fn(self, *args, **kwargs)
+
+    def set_profiling(self, enabled: bool) -> None:
+        """Time each phase of :meth:`moe` (synchronises the device) and count tokens per expert."""
+        self.stats.enabled = enabled
+        self.stats.reset()
+
+    def phase_stats(self) -> dict:
+        """Seconds and calls per phase, tokens seen, tokens per local expert since the last reset."""
+        return self.stats.snapshot()
 
     def barrier(self) -> None:
         self._transport("torch").barrier()
