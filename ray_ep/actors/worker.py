@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -149,11 +149,9 @@ class EPWorker:
             self.device = torch.device("cpu")
             # several workers share a CPU: one thread each avoids oversubscription
             torch.set_num_threads(max(1, int(os.environ.get("RAY_EP_CPU_THREADS", "1"))))
-        self.cfg: EPConfig | None = None
-        self.transports: dict[str, Transport] = {}
+        self.groups: dict[str, EPGroupState] = {}  # "main" plus any extra configs (benchmarks)
         self.backend: str | None = None
-        self.experts: dict[int, LocalExperts] = {}
-        self.scratch: ExpertScratch | None = None
+        self._nvshmem = False
         self.state: dict = {}  # user state of code run through :meth:`run` (model weights, caches)
         self.stats = PhaseStats(self.device)
         self._handle: DispatchHandle | None = None
@@ -195,53 +193,90 @@ class EPWorker:
         """Join the torch.distributed group (collective: every rank at once)."""
         from ..transport.torch_dist import TorchTransport
 
-        self.cfg = cfg
         self.ctx = replace(self.ctx, master_addr=master_addr, master_port=master_port)
-        self.transports["torch"] = TorchTransport(cfg, self.rank, self.device, f"tcp://{master_addr}:{master_port}")
+        main = EPGroupState(cfg)
+        main.transports["torch"] = TorchTransport(cfg, self.rank, self.device, f"tcp://{master_addr}:{master_port}")
+        self.groups["main"] = main
         self.backend = "torch"
 
     def init_nvshmem(self, unique_id: bytes) -> None:
-        """Bootstrap NVSHMEM and allocate the symmetric buffers (collective)."""
-        from ..transport.nvshmem import NvshmemTransport
+        """Bootstrap NVSHMEM and allocate the main group's symmetric buffers (collective)."""
+        from ..transport import nvshmem
 
         if self.device.type != "cuda":
             raise EPStateError(f"rank {self.rank}: the nvshmem backend needs a GPU; use backend='torch'")
-        self.transports["nvshmem"] = NvshmemTransport(self.cfg, self.rank, self.device, unique_id)
+        cfg = self._cfg()
+        nvshmem.runtime_init(self.rank, cfg.world_size, self.device, unique_id, n_nodes=cfg.n_nodes)
+        self._nvshmem = True
+        self.groups["main"].transports["nvshmem"] = nvshmem.NvshmemTransport(cfg, self.rank, self.device)
         self.backend = "nvshmem"
 
+    def add_group(self, name: str, cfg: EPConfig) -> None:
+        """Transports for another config on the same ranks (collective: same order everywhere).
+        Benchmarks use this to run several presets and dtypes without restarting."""
+        from ..transport.torch_dist import TorchTransport
+
+        main = self._cfg()
+        if cfg.world_size != main.world_size or cfg.n_nodes != main.n_nodes:
+            raise EPInputError(f"group {name!r} must keep the topology {main.n_nodes}x{main.gpus_per_node}")
+        if name in self.groups:
+            raise EPStateError(f"group {name!r} exists already")
+        g = EPGroupState(cfg)
+        g.transports["torch"] = TorchTransport(cfg, self.rank, self.device)
+        if self._nvshmem:
+            from ..transport.nvshmem import NvshmemTransport
+
+            g.transports["nvshmem"] = NvshmemTransport(cfg, self.rank, self.device)
+        self.groups[name] = g
+
+    def drop_group(self, name: str) -> None:
+        """Free an extra group's buffers (collective)."""
+        if name == "main":
+            raise EPInputError("the main group lives until shutdown")
+        g = self.groups.pop(name, None)
+        if g is not None:
+            g.close()
+
     def load_experts(self, seed: int | None = 0, weights: dict[str, torch.Tensor] | None = None,
-                     layer: int = 0) -> int:
+                     layer: int = 0, group: str = "main") -> int:
         """Experts of MoE layer ``layer``: seeded random (this rank's slice of the world's), or
-        given local tensors (keys of :class:`LocalExperts`,
-        already sharded to this rank). Returns the bytes loaded."""
-        cfg = self._cfg()
+        given local tensors (keys of :class:`LocalExperts`, already sharded to this rank).
+        Returns the bytes loaded."""
+        g = self._group(group)
+        cfg = g.cfg
         if weights is None:
-            w = reference.init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(),
+            w = reference.init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(cfg),
                                               device=self.device)
             experts = LocalExperts(w.w_gate_up, w.w_down, w.shared_gate_up, w.shared_down)
         else:
             experts = LocalExperts(**{k: v.to(self.device, torch.bfloat16) for k, v in weights.items()})
         experts.check(cfg)
-        self.experts[layer] = experts
-        if self.scratch is None:
-            self.scratch = ExpertScratch.allocate(cfg, self.device)
+        g.experts[layer] = experts
+        if g.scratch is None:
+            g.scratch = ExpertScratch.allocate(cfg, self.device)
         return sum(t.numel() * t.element_size() for t in vars(experts).values())
 
-    def _local_expert_ids(self) -> range:
-        L = self._cfg().experts_per_rank
+    def _local_expert_ids(self, cfg: EPConfig) -> range:
+        L = cfg.experts_per_rank
         return range(self.rank * L, (self.rank + 1) * L)
 
-    def _cfg(self) -> EPConfig:
-        if self.cfg is None:
-            raise EPStateError(f"rank {self.rank}: not initialised; start the cluster first")
-        return self.cfg
+    def _group(self, name: str = "main") -> "EPGroupState":
+        if name not in self.groups:
+            if name == "main":
+                raise EPStateError(f"rank {self.rank}: not initialised; start the cluster first")
+            raise EPStateError(f"rank {self.rank}: no group {name!r} (have {sorted(self.groups)})")
+        return self.groups[name]
 
-    def _transport(self, backend: str | None = None) -> Transport:
+    def _cfg(self) -> EPConfig:
+        return self._group().cfg
+
+    def _transport(self, backend: str | None = None, group: str = "main") -> Transport:
+        g = self._group(group)
         name = backend or self.backend
-        if name not in self.transports:
+        if name not in g.transports:
             raise EPStateError(f"rank {self.rank}: backend {name!r} is not initialised here "
-                               f"(have {sorted(self.transports)})")
-        return self.transports[name]
+                               f"(have {sorted(g.transports)})")
+        return g.transports[name]
 
     def _inputs(self, x_TH, topk_ids_TK, topk_weights_TK, validate: bool = True):
         cfg = self._cfg()
@@ -297,16 +332,17 @@ class EPWorker:
             raise EPStateError(f"rank {self.rank}: {what} needs a completed dispatch first")
         return self._handle
 
-    def _experts_of(self, layer: int) -> LocalExperts:
-        if layer not in self.experts:
+    def _experts_of(self, layer: int, group: str = "main") -> LocalExperts:
+        g = self._group(group)
+        if layer not in g.experts:
             raise EPStateError(f"rank {self.rank}: no experts loaded for layer {layer}; call load_experts first")
-        return self.experts[layer]
+        return g.experts[layer]
 
     def compute(self, layer: int = 0) -> None:
         """Run this rank's experts (of MoE layer ``layer``) over the last dispatch."""
         h = self._need_handle("compute")
         self._layer = layer
-        self._y = run_experts(handle=h, experts=self._experts_of(layer), scratch=self.scratch)
+        self._y = run_experts(handle=h, experts=self._experts_of(layer), scratch=self._group().scratch)
 
     def combine(self, fused: bool = True, backend: str | None = None, out_dtype: str = "bf16") -> torch.Tensor:
         """Return expert outputs to their tokens; out [T, H] on CPU (shared experts included)."""
@@ -372,6 +408,28 @@ class EPWorker:
     def shutdown(self) -> None:
         """Free symmetric memory and leave the process groups (collective for nvshmem)."""
         self._handle = self._y = self._x = self._pending = None
+        for name in [n for n in self.groups if n != "main"] + ["main"]:  # same order on every rank
+            g = self.groups.pop(name, None)
+            if g is not None:
+                g.close()
+        if self._nvshmem:
+            from ..transport import nvshmem
+
+            nvshmem.runtime_finalize()
+            self._nvshmem = False
+
+
+@dataclass
+class EPGroupState:
+    """One config's transports, experts (per layer) and expert scratch on this rank."""
+
+    cfg: EPConfig
+    transports: dict[str, Transport] = field(default_factory=dict)
+    experts: dict[int, LocalExperts] = field(default_factory=dict)
+    scratch: ExpertScratch | None = None
+
+    def close(self) -> None:
+        # nvshmem first (collective free), the process group last
         for name in ("nvshmem", "torch"):
             t = self.transports.pop(name, None)
             if t is not None:

@@ -53,27 +53,54 @@ def _uid_from_bytes(raw: bytes):
     return uid
 
 
+_runtime: dict = {}  # the process's NVSHMEM runtime: one init per process, many transports
+
+
+def runtime_init(rank: int, world_size: int, device: torch.device, unique_id: bytes, n_nodes: int = 1) -> None:
+    """Join the NVSHMEM job (collective and blocking: every rank at once)."""
+    if _runtime:
+        raise EPWorkerError(f"rank {rank}: NVSHMEM is already initialised in this process")
+    for k, v in NVSHMEM_ENV.items():
+        os.environ.setdefault(k, v)
+    if n_nodes == 1:
+        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    import nvshmem.core as nvc
+    from cuda.core import Device
+
+    torch.cuda.set_device(device)
+    dev = Device(device.index or 0)
+    dev.set_current()
+    nvc.init(device=dev, uid=_uid_from_bytes(unique_id), rank=rank, nranks=world_size, initializer_method="uid")
+    _runtime.update(nvc=nvc, rank=rank, world_size=world_size, transports=0)
+
+
+def runtime_finalize() -> None:
+    """Leave the NVSHMEM job; every transport must have been shut down first."""
+    if not _runtime:
+        return
+    if _runtime["transports"]:
+        raise EPWorkerError(f"{_runtime['transports']} NVSHMEM transport(s) still hold symmetric memory")
+    nvc = _runtime.pop("nvc")
+    _runtime.clear()
+    torch.cuda.synchronize()
+    nvc.finalize()
+
+
 class NvshmemTransport(Transport):
-    """Dispatch / combine through NVSHMEM symmetric memory and the Triton kernels."""
+    """Dispatch / combine through NVSHMEM symmetric memory and the Triton kernels.
+
+    Allocating (and freeing) the symmetric block is collective: every rank creates its
+    transports for the same configs in the same order."""
 
     name = "nvshmem"
 
-    def __init__(self, cfg: EPConfig, rank: int, device: torch.device, unique_id: bytes):
+    def __init__(self, cfg: EPConfig, rank: int, device: torch.device):
         super().__init__(cfg, rank, device)
-        for k, v in NVSHMEM_ENV.items():
-            os.environ.setdefault(k, v)
-        if cfg.n_nodes == 1:
-            os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
-        import nvshmem.core as nvc
-        from cuda.core import Device
-
-        self._nvc = nvc
-        torch.cuda.set_device(device)
-        dev = Device(device.index or 0)
-        dev.set_current()
-        nvc.init(device=dev, uid=_uid_from_bytes(unique_id), rank=rank, nranks=cfg.world_size,
-                 initializer_method="uid")
+        if not _runtime:
+            raise EPWorkerError(f"rank {rank}: call runtime_init before creating an NVSHMEM transport")
+        nvc = self._nvc = _runtime["nvc"]
         self._alive = True
+        _runtime["transports"] += 1
         plan = plan_buffers(cfg)
         self._block = nvc.tensor((plan.total_bytes,), dtype=torch.uint8)
         self._block.zero_()
@@ -142,4 +169,4 @@ class NvshmemTransport(Transport):
         torch.cuda.synchronize()
         self._nvc.free_tensor(self._block)
         self._block = None
-        self._nvc.finalize()
+        _runtime["transports"] -= 1

@@ -57,13 +57,19 @@ class TorchTransport(Transport):
 
     name = "torch"
 
-    def __init__(self, cfg: EPConfig, rank: int, device: torch.device, init_method: str):
+    def __init__(self, cfg: EPConfig, rank: int, device: torch.device, init_method: str | None = None):
+        """Joins the process group through ``init_method`` (collective) unless this process
+        already has one (further transports for other configs share it)."""
         super().__init__(cfg, rank, device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
-                                world_size=cfg.world_size,
-                                timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
-                                **({"device_id": device} if device.type == "cuda" else {}))
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            if init_method is None:
+                raise ValueError("the first TorchTransport of a process needs an init_method (tcp://host:port)")
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+                                    world_size=cfg.world_size,
+                                    timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
+                                    **({"device_id": device} if device.type == "cuda" else {}))
         self.group = dist.group.WORLD
         # Triton layout kernel on GPUs (fast), its torch twin on CPUs (no interpreter cost)
         self._layout = compute_layout if device.type == "cuda" else compute_layout_ref
@@ -138,5 +144,6 @@ class TorchTransport(Transport):
         dist.barrier(group=self.group)
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
+        if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        self._owns_group = False
