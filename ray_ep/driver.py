@@ -210,6 +210,12 @@ class EPCluster:
             g.execute_per_rank("load_experts", [(None,)] * self.world_size, per_rank)
         self._layers_loaded.add(layer)
 
+    def call_workers(self, method: str, *args: Any, call_timeout_s: float | None = None, **kwargs: Any) -> list:
+        """Advanced: call an :class:`~ray_ep.actors.worker.EPWorker` method on every rank
+        (e.g. ``add_group``, ``bench``); results in rank order."""
+        self._phase = None
+        return self._need_group().execute(method, *args, call_timeout_s=call_timeout_s, **kwargs)
+
     def run(self, fn, *args: Any, args_per_rank: Sequence[tuple] | None = None, **kwargs: Any) -> list:
         """Run ``fn(worker, *args, **kwargs)`` inside every worker (per-rank positional args
         with ``args_per_rank``); results in rank order.
@@ -307,12 +313,19 @@ class EPCluster:
         if router_logits is not None:
             if topk_ids is not None or topk_weights is not None:
                 raise EPInputError("give either router_logits or topk_ids + topk_weights, not both")
-            if len(router_logits) != self.world_size:
-                raise EPInputError(f"router_logits must have one tensor per rank ({self.world_size})")
-            for r, lg in enumerate(router_logits):
-                if lg.dim() != 2 or lg.shape[1] != self.config.n_experts or lg.shape[0] != xs[r].shape[0]:
-                    raise EPInputError(f"rank {r}: router_logits must be [T, n_experts={self.config.n_experts}], "
-                                       f"got {tuple(lg.shape)}")
+            R, E = self.world_size, self.config.n_experts
+            # xs is indexed below, before _validate: check the lists (and x types) first
+            for name, v in (("xs", xs), ("router_logits", router_logits)):
+                if not isinstance(v, (list, tuple)) or len(v) != R:
+                    raise EPInputError(f"{name} must be a list with one tensor per rank ({R}), got "
+                                       f"{len(v) if isinstance(v, (list, tuple)) else type(v).__name__}")
+            for r, (x, lg) in enumerate(zip(xs, router_logits)):
+                if not isinstance(x, torch.Tensor) or x.dim() != 2:
+                    got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise EPInputError(f"rank {r}: x must be [T, hidden_size={self.config.hidden_size}], got {got}")
+                if not isinstance(lg, torch.Tensor) or lg.dim() != 2 or lg.shape[1] != E or lg.shape[0] != x.shape[0]:
+                    got = tuple(lg.shape) if isinstance(lg, torch.Tensor) else type(lg).__name__
+                    raise EPInputError(f"rank {r}: router_logits must be [T={x.shape[0]}, n_experts={E}], got {got}")
             routed = [reference.route(lg, self.config.top_k) for lg in router_logits]
             topk_ids, topk_weights = [r[0] for r in routed], [r[1] for r in routed]
         if topk_ids is None or topk_weights is None:

@@ -390,6 +390,29 @@ class EPWorker:
         custom loop) that runs on the rank's device and calls :meth:`moe` collectively."""
         return fn(self, *args, **kwargs)
 
+    def bench(self, kind: str, group: str = "main", backend: str | None = None, **kwargs) -> dict:
+        """One benchmark row on this rank (see :mod:`ray_ep.actors.timing`); collective.
+
+        kind: ``comm`` (dispatch and combine), ``layer`` (whole MoE layer), ``all_to_all``
+        (raw NCCL, equal splits), ``peer_copy`` (copy engine, rank 0 -> rank 1)."""
+        from . import timing
+
+        g = self._group(group)
+        t = self._transport(backend, group)
+        if kind == "comm":
+            r = timing.bench_comm(t, g.cfg, self.rank, self.device, **kwargs)
+        elif kind == "layer":
+            if g.scratch is None or 0 not in g.experts:
+                self.load_experts(seed=0, group=group)
+            r = timing.bench_layer(t, g.cfg, self.rank, self.device, experts=g.experts[0], scratch=g.scratch, **kwargs)
+        elif kind == "all_to_all":
+            r = timing.bench_alltoall(self._transport("torch", group), g.cfg, self.rank, self.device, **kwargs)
+        elif kind == "peer_copy":
+            r = timing.bench_peer_copy(self._transport("nvshmem", group), self.rank, self.device, **kwargs)
+        else:
+            raise EPInputError(f"unknown benchmark kind {kind!r}: use comm, layer, all_to_all or peer_copy")
+        return r.to_dict()
+
     def set_profiling(self, enabled: bool) -> None:
         """Time each phase of :meth:`moe` (synchronises the device) and count tokens per expert."""
         self.stats.enabled = enabled

@@ -50,7 +50,11 @@ class Transport(abc.ABC):
         return self.combine_recv(self.combine_send(y_MH, handle), out_dtype, add_TH)
 
     def barrier(self) -> None:
-        """Block until every rank got here (benchmarks start each iteration after one)."""
+        """Block the host until every rank got here."""
+
+    def device_barrier(self) -> None:
+        """Queue a barrier across ranks on the current stream (GPUs leave it together)."""
+        self.barrier()
 
     def shutdown(self) -> None:
         """Release communication state; idempotent."""

@@ -159,6 +159,9 @@ class NvshmemTransport(Transport):
         self._nvc.barrier_all(torch.cuda.current_stream())
         torch.cuda.synchronize()
 
+    def device_barrier(self) -> None:
+        self._nvc.sync_all(torch.cuda.current_stream())
+
     def shutdown(self) -> None:
         if not self._alive:
             return

@@ -141,7 +141,17 @@ class TorchTransport(Transport):
                                out_dtype=out_dtype, add_TH=add_TH)
 
     def barrier(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         dist.barrier(group=self.group)
+
+    def device_barrier(self) -> None:
+        if self.device.type != "cuda":
+            return self.barrier()
+        # a one-element all-reduce on the current stream: the GPUs leave it together
+        if not hasattr(self, "_one"):
+            self._one = torch.ones(1, device=self.device)
+        dist.all_reduce(self._one, group=self.group)
 
     def shutdown(self) -> None:
         if self._owns_group and dist.is_initialized():

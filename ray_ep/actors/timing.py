@@ -1,0 +1,234 @@
+"""Per-rank benchmark loops, run inside the workers (the driver's ``ray_ep.bench`` aggregates).
+
+Protocol (BENCH.md): inputs rotate among a few seeded sets (never zeros); warm-up first;
+every timed iteration starts after a barrier across ranks; device time is measured with CUDA
+events. Before the events the host queues a short GPU sleep and an on-stream barrier, so the
+kernels run back to back on aligned GPUs and the Python launch cost of the phase stays out of
+the figure (production decode replays CUDA graphs). On CPU the host clock is used.
+
+Correctness before timing: each rank checks its own round trip with identity experts
+(``combine(dispatch(x))`` must equal ``x * sum(weights)``) and that every expert-major row
+belongs to a token that chose that expert.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import FP8_GROUP, EPConfig
+from ..kernels.dispatch import DispatchHandle
+from ..reference import dequantize_fp8, quantize_fp8
+from ..transport.base import Transport
+
+SLEEP_CYCLES = 200_000  # ~100 us at H100/H200 clocks: enough for the host to queue a phase
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """One rank's figures for one benchmark row (times in microseconds, per iteration)."""
+
+    rank: int
+    times_us: dict[str, list[float]]
+    remote_rows: int
+    received_rows: int
+    check_error: float
+    misplaced_rows: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rank_inputs(cfg: EPConfig, num_tokens: int, rank: int, seed: int, routing: str,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's seeded inputs, drawn on the device: x [T, H] bf16, ids [T, K] int32, w [T, K]."""
+    E, K, H = cfg.n_experts, cfg.top_k, cfg.hidden_size
+    g = torch.Generator(device=device).manual_seed(seed * 1009 + rank)
+    x = torch.randn(num_tokens, H, generator=g, device=device).to(torch.bfloat16)
+    if routing == "uniform":
+        scores = torch.rand(num_tokens, E, generator=g, device=device)
+    elif routing == "skewed":  # Zipf(1.2) popularity over a seeded permutation, the same on every rank
+        gp = torch.Generator().manual_seed(seed)
+        pop = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
+        pop = pop[torch.randperm(E, generator=gp)].log().to(device)
+        u = torch.rand(num_tokens, E, generator=g, device=device, dtype=torch.float64).clamp_min(1e-12)
+        scores = pop[None, :] - torch.log(-torch.log(u))
+    else:
+        raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
+    ids = torch.topk(scores, K, dim=-1).indices.to(torch.int32)
+    w = torch.rand(num_tokens, K, generator=g, device=device) + 0.1
+    return x, ids.contiguous(), (w / w.sum(-1, keepdim=True)).float().contiguous()
+
+
+def identity_outputs(h: DispatchHandle, cfg: EPConfig) -> torch.Tensor:
+    """Expert outputs of identity experts: y[m] = the dispatched row (dequantised), bf16."""
+    ids = h.recv.row_ids_M.long()
+    valid = ids >= 0
+    rows = h.x_rows[ids.clamp(min=0)]
+    if h.scales_rows is not None:
+        rows = dequantize_fp8(rows, h.scales_rows[ids.clamp(min=0)])
+    return torch.where(valid[:, None], rows.float(), 0.0).to(torch.bfloat16)
+
+
+def misplaced_rows(h: DispatchHandle, cfg: EPConfig, rank: int) -> int:
+    """Expert-major rows whose token did not choose the segment's expert (must be 0)."""
+    L, K = cfg.experts_per_rank, cfg.top_k
+    r = h.recv
+    offs = r.row_offsets_L1.long()
+    seg = torch.searchsorted(offs[1:], torch.arange(r.row_ids_M.numel(), device=offs.device), right=True)
+    ids = r.row_ids_M.long()
+    real = (ids >= 0) & (seg < L)
+    chosen = h.meta_rows[ids.clamp(min=0)][:, :K].long()
+    ok = (chosen == (rank * L + seg)[:, None]).any(dim=1)
+    return int((real & ~ok).sum())
+
+
+def expected_round_trip(x: torch.Tensor, w: torch.Tensor, cfg: EPConfig) -> torch.Tensor:
+    xs = dequantize_fp8(*quantize_fp8(x)) if cfg.dispatch_dtype == "fp8" else x.float()
+    return xs * w.sum(-1, keepdim=True)
+
+
+class _Clock:
+    """CUDA events on GPUs (with the sleep + on-stream barrier), the host clock on CPUs."""
+
+    def __init__(self, device: torch.device, transport: Transport):
+        self.cuda = device.type == "cuda"
+        self.t = transport
+
+    def start(self):
+        self.t.barrier()  # host-level: every rank is here
+        if not self.cuda:
+            return time.perf_counter()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        self.t.device_barrier()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def stop(self, start) -> float:
+        if not self.cuda:
+            return (time.perf_counter() - start) * 1e6
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        ev.synchronize()
+        return start.elapsed_time(ev) * 1e3
+
+
+def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, num_tokens: int, routing: str,
+               seed: int, iters: int, warmup: int, fused: bool, sets: int = 3) -> RankTimes:
+    """Dispatch and combine (identity experts between them), each timed on its own."""
+    inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device) for i in range(sets)]
+    if hasattr(t, "check"):
+        t.check = True
+    # correctness once, before timing
+    x, ids, w = inputs[0]
+    h = t.dispatch(x, ids, w)
+    bad = misplaced_rows(h, cfg, rank)
+    out = t.combine(identity_outputs(h, cfg), h, torch.bfloat16)
+    exp = expected_round_trip(x, w, cfg)
+    err = ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item() if num_tokens else 0.0
+    remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
+    received = int(h.recv.recv_counts_R.sum())
+    if hasattr(t, "check"):
+        t.check = False  # no host sync inside the timed region; status checked at the end
+    clock = _Clock(device, t)
+    times: dict[str, list[float]] = {"dispatch": [], "combine": []}
+    for i in range(warmup + iters):
+        x, ids, w = inputs[i % sets]
+        s = clock.start()
+        h = t.dispatch(x, ids, w) if fused else t.dispatch_recv(t.dispatch_send(x, ids, w))
+        d_us = clock.stop(s)
+        y = identity_outputs(h, cfg)
+        s = clock.start()
+        if fused:
+            t.combine(y, h, torch.bfloat16)
+        else:
+            t.combine_recv(t.combine_send(y, h), torch.bfloat16)
+        c_us = clock.stop(s)
+        if i >= warmup:
+            times["dispatch"].append(d_us)
+            times["combine"].append(c_us)
+    if hasattr(t, "check_status"):
+        t.check_status()
+    return RankTimes(rank, times, remote, received, err, bad)
+
+
+def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, experts, scratch, num_tokens: int,
+                routing: str, seed: int, iters: int, warmup: int, sets: int = 3) -> RankTimes:
+    """A whole MoE layer: dispatch, grouped-GEMM experts, combine (+ shared experts)."""
+    from ..kernels.experts import run_experts, shared_experts
+
+    inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device) for i in range(sets)]
+    if hasattr(t, "check"):
+        t.check = False
+    clock = _Clock(device, t)
+    times: dict[str, list[float]] = {"layer": []}
+    remote = received = 0
+    for i in range(warmup + iters):
+        x, ids, w = inputs[i % sets]
+        s = clock.start()
+        h = t.dispatch(x, ids, w)
+        y = run_experts(handle=h, experts=experts, scratch=scratch)
+        t.combine(y, h, torch.bfloat16, shared_experts(x, experts))
+        us = clock.stop(s)
+        if i >= warmup:
+            times["layer"].append(us)
+        if i == 0:
+            remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
+            received = int(h.recv.recv_counts_R.sum())
+    if hasattr(t, "check_status"):
+        t.check_status()
+    return RankTimes(rank, times, remote, received, 0.0, 0)
+
+
+def bench_alltoall(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rows_per_peer: int,
+                   iters: int, warmup: int) -> RankTimes:
+    """Raw all_to_all_single of bf16 rows [H], equal splits (the NCCL reference figure)."""
+    import torch.distributed as dist
+
+    R, H = cfg.world_size, cfg.hidden_size
+    g = torch.Generator(device=device).manual_seed(rank)
+    inp = torch.randn(R * rows_per_peer, H, generator=g, device=device).to(torch.bfloat16)
+    out = torch.empty_like(inp)
+    clock = _Clock(device, t)
+    times: dict[str, list[float]] = {"all_to_all": []}
+    for i in range(warmup + iters):
+        s = clock.start()
+        dist.all_to_all_single(out, inp)
+        us = clock.stop(s)
+        if i >= warmup:
+            times["all_to_all"].append(us)
+    return RankTimes(rank, times, (R - 1) * rows_per_peer, R * rows_per_peer, 0.0, 0)
+
+
+def bench_peer_copy(t: Transport, rank: int, device: torch.device, *, nbytes: int, iters: int, warmup: int) -> RankTimes:
+    """Copy-engine copy of ``nbytes`` from rank 0 into rank 1's symmetric block (one pair,
+    one way: the practical NVLink ceiling). Other ranks only join the barriers."""
+    bufs = t.bufs
+    times: dict[str, list[float]] = {"peer_copy": []}
+    clock = _Clock(device, t)
+    src = dst = None
+    if rank == 0:
+        peer = bufs.peers[1]["combine.recv.x"].view(-1).view(torch.uint8)
+        n = min(nbytes, peer.numel())
+        dst = peer[:n]
+        src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    for i in range(warmup + iters):
+        s = clock.start()
+        if dst is not None:
+            dst.copy_(src, non_blocking=True)
+        us = clock.stop(s)
+        if i >= warmup:
+            times["peer_copy"].append(us)
+    n = dst.numel() if dst is not None else 0
+    return RankTimes(rank, times, n, n, 0.0, 0)
+
+
+def row_bytes(cfg: EPConfig, phase: str) -> int:
+    """Payload bytes of one row on the wire (meta rows excluded)."""
+    H = cfg.hidden_size
+    if phase == "dispatch":
+        return H + 4 * H // FP8_GROUP if cfg.dispatch_dtype == "fp8" else 2 * H
+    return H * (2 if cfg.combine_dtype == "bf16" else 4)

@@ -1,0 +1,318 @@
+"""Benchmarks: ray_ep's dispatch / combine / MoE layer beside the baselines, in one run.
+
+``python -m ray_ep.bench`` (or ``ray-ep bench``) prints a table and can write JSON and a plot.
+Protocol (BENCH.md): per preset a correctness check before timing, warm-up, >= 50 timed
+iterations each after a barrier across ranks, rotating inputs; per rank the median, and the
+maximum over ranks (the slowest rank sets the layer's time), p10 / p90 beside it. Baselines
+in the same run: the NCCL pipeline (``torch`` backend), raw all_to_all_single with equal
+splits, and the copy-engine peer copy of one GPU pair.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from .actors.timing import row_bytes
+from .config import EPConfig
+from .driver import EPCluster
+
+# BENCH.md presets: model preset, tokens per rank, dispatch dtypes
+BENCH_PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek-v3-prefill": {"model": "deepseek-v3", "tokens": 4096, "dtypes": ["bf16", "fp8"]},
+    "deepseek-v3-decode": {"model": "deepseek-v3", "tokens": 128, "dtypes": ["fp8", "bf16"]},
+    "qwen3-moe-prefill": {"model": "qwen3-moe", "tokens": 4096, "dtypes": ["bf16"]},
+    "mixtral-prefill": {"model": "mixtral", "tokens": 4096, "dtypes": ["bf16"]},
+    "tiny": {"model": "tiny", "tokens": 32, "dtypes": ["bf16", "fp8"]},
+}
+BACKEND_LABELS = {"nvshmem": "ray_ep", "torch": "nccl-pipeline"}
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One line of the table: times in microseconds (median of the slowest rank)."""
+
+    preset: str
+    backend: str
+    op: str
+    dtype: str
+    routing: str
+    tokens: int
+    world_size: int
+    sms: str
+    median_us: float
+    p10_us: float
+    p90_us: float
+    per_rank_median_us: list[float]
+    remote_gbps: float
+    received_gbps: float
+    check_error: float | None = None
+    misplaced_rows: int = 0
+
+
+@dataclass
+class BenchResult:
+    rows: list[BenchRow] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+    def table(self) -> str:
+        head = (f"{'preset':<21}{'backend':<15}{'op':<11}{'dtype':<6}{'routing':<9}{'T/rank':>7}{'SMs':>5}"
+                f"{'median us':>11}{'p10':>9}{'p90':>9}{'remote GB/s':>12}{'recv GB/s':>10}{'check':>10}")
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            chk = "-" if r.check_error is None else (f"{r.check_error:.1e}" if r.misplaced_rows == 0 else "MISPLACED")
+            lines.append(f"{r.preset:<21}{r.backend:<15}{r.op:<11}{r.dtype:<6}{r.routing:<9}{r.tokens:>7}{r.sms:>5}"
+                         f"{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}{r.remote_gbps:>12.2f}"
+                         f"{r.received_gbps:>10.2f}{chk:>10}")
+        if self.meta:
+            lines.append(f"# {self.meta.get('device', '?')} x{self.meta.get('world_size', '?')}, "
+                         f"commit {self.meta.get('commit', '?')}, {self.meta.get('iters', '?')} iterations")
+        return "\n".join(lines)
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"meta": self.meta, "rows": [asdict(r) for r in self.rows]}, f, indent=1)
+
+    def plot(self, path: str) -> None:
+        """Time and remote bandwidth against tokens per rank, one line per (backend, op, dtype)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
+        series: dict[tuple, list[BenchRow]] = {}
+        for r in self.rows:
+            series.setdefault((r.preset, r.backend, r.op, r.dtype, r.routing), []).append(r)
+        for key, rows in series.items():
+            rows = sorted(rows, key=lambda r: r.tokens)
+            label = " ".join(str(k) for k in key)
+            xs = [r.tokens for r in rows]
+            ax_t.plot(xs, [r.median_us for r in rows], marker="o", label=label)
+            ax_b.plot(xs, [r.remote_gbps for r in rows], marker="o", label=label)
+        for ax, ylabel in ((ax_t, "time per call, us (slowest rank's median)"), (ax_b, "remote GB/s per rank")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens per rank")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+        ax_t.set_yscale("log")
+        ax_b.legend(fontsize=6, loc="best")
+        fig.suptitle(f"ray_ep benchmark: {self.meta.get('device', '?')} x{self.meta.get('world_size', '?')}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int, **labels: Any) -> BenchRow:
+    """Median per rank, the slowest rank's median as the figure, p10/p90 over all samples."""
+    medians = [statistics.median(r["times_us"][op]) for r in per_rank]
+    samples = [t for r in per_rank for t in r["times_us"][op]]
+    slowest = max(medians)
+    remote = statistics.mean(r["remote_rows"] for r in per_rank) * nbytes_per_row
+    received = statistics.mean(r["received_rows"] for r in per_rank) * nbytes_per_row
+    checks = [r["check_error"] for r in per_rank]
+    return BenchRow(op=op, world_size=cfg.world_size, median_us=slowest, p10_us=_pct(samples, 0.1),
+                    p90_us=_pct(samples, 0.9), per_rank_median_us=medians,
+                    remote_gbps=remote / slowest / 1e3 if slowest else 0.0,
+                    received_gbps=received / slowest / 1e3 if slowest else 0.0,
+                    check_error=max(checks) if op in ("dispatch", "combine") else None,
+                    misplaced_rows=sum(r["misplaced_rows"] for r in per_rank), **labels)
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.enabled = total, 0, enabled
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.enabled:
+            width = 24
+            fill = int(width * self.done / max(1, self.total))
+            print(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {what:<60}",
+                  end="" if self.done < self.total else "\n", file=sys.stderr, flush=True)
+
+
+def _meta(cluster: EPCluster, iters: int) -> dict:
+    import ray
+    import torch
+    import triton
+
+    info = cluster.info()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=5).stdout.strip() or "unknown"
+    except Exception:
+        commit = "unknown"
+    meta = {"device": info[0].get("gpu", "cpu"), "world_size": cluster.world_size,
+            "n_nodes": cluster.config.n_nodes, "gpus_per_node": cluster.config.gpus_per_node,
+            "sms": info[0].get("sms"), "backend": cluster.backend, "iters": iters, "commit": commit,
+            "versions": {"torch": torch.__version__, "triton": triton.__version__, "ray": ray.__version__}}
+    try:
+        from importlib.metadata import version
+
+        meta["versions"]["nvshmem4py"] = version("nvshmem4py-cu13")
+    except Exception:
+        pass
+    return meta
+
+
+def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[str] | None = None,
+              tokens: Sequence[int] | None = None, routing: Sequence[str] = ("uniform",), iters: int = 50,
+              warmup: int = 5, num_sms: int | None = None, fused: bool = True, layer: bool = False,
+              baselines: bool = True, progress: bool = True, seed: int = 0) -> BenchResult:
+    """Benchmark ``presets`` (names of BENCH_PRESETS) on a started cluster.
+
+    backends: ``nvshmem`` (ray_ep's kernels) and/or ``torch`` (the NCCL / gloo pipeline);
+    default: the cluster's backend, plus ``torch`` as the baseline on GPUs. tokens: a sweep
+    of tokens per rank (default: the preset's). ``layer`` adds whole-MoE-layer rows (loads
+    seeded experts). ``baselines`` adds raw all_to_all and the peer copy (GPUs only).
+    """
+    for p in presets:
+        if p not in BENCH_PRESETS:
+            raise ValueError(f"unknown benchmark preset {p!r}; choose from {sorted(BENCH_PRESETS)}")
+    on_gpu = cluster.backend == "nvshmem"
+    if backends is None:
+        backends = ["nvshmem", "torch"] if on_gpu else ["torch"]
+    backends = ["torch" if b in ("nccl", "gloo") else b for b in backends]
+    if "nvshmem" in backends and not on_gpu:
+        raise ValueError("the nvshmem backend needs a GPU cluster; use backends=['torch']")
+    result = BenchResult(meta=_meta(cluster, iters))
+    sms_label = str(num_sms or result.meta.get("sms") or "-")
+    base = cluster.config
+    plan = []
+    for p in presets:
+        spec = BENCH_PRESETS[p]
+        sweep = list(tokens) if tokens else [spec["tokens"]]
+        for dt in spec["dtypes"]:
+            for b in backends:
+                for rt in routing:
+                    for T in sweep:
+                        plan.append((p, dt, b, rt, T))
+    bar = _Progress(len(plan) * (2 if layer else 1) + (len(presets) + 1 if baselines and on_gpu else 0), progress)
+    for p in presets:
+        spec = BENCH_PRESETS[p]
+        n_max = max(list(tokens) if tokens else [spec["tokens"]])
+        for dt in spec["dtypes"]:
+            cfg = EPConfig.preset(spec["model"], n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node,
+                                  max_tokens_per_rank=n_max, dispatch_dtype=dt, num_sms=num_sms,
+                                  recv_timeout_s=base.recv_timeout_s)
+            name = f"bench/{p}/{dt}"
+            cluster.call_workers("add_group", name, cfg)
+            try:
+                for (pp, ddt, b, rt, T) in plan:
+                    if (pp, ddt) != (p, dt):
+                        continue
+                    labels = dict(preset=p, backend=BACKEND_LABELS[b], dtype=dt, routing=rt, tokens=T,
+                                  sms=sms_label if b == "nvshmem" else "-")
+                    per_rank = cluster.call_workers("bench", "comm", group=name, backend=b, num_tokens=T, routing=rt,
+                                                    seed=seed, iters=iters, warmup=warmup, fused=fused)
+                    result.rows.append(aggregate(per_rank, "dispatch", cfg, row_bytes(cfg, "dispatch"), **labels))
+                    result.rows.append(aggregate(per_rank, "combine", cfg, row_bytes(cfg, "combine"), **labels))
+                    bar.step(f"{p} {labels['backend']} {dt} {rt} T={T}")
+                    if layer:
+                        per_rank = cluster.call_workers("bench", "layer", group=name, backend=b, num_tokens=T,
+                                                        routing=rt, seed=seed, iters=iters, warmup=warmup)
+                        result.rows.append(aggregate(per_rank, "layer", cfg, row_bytes(cfg, "dispatch"), **labels))
+                        bar.step(f"{p} {labels['backend']} {dt} {rt} T={T} layer")
+                if baselines and on_gpu and dt == spec["dtypes"][0]:
+                    T = n_max
+                    per_rank = cluster.call_workers("bench", "all_to_all", group=name, rows_per_peer=T,
+                                                    iters=iters, warmup=warmup)
+                    result.rows.append(aggregate(per_rank, "all_to_all", cfg, 2 * cfg.hidden_size, preset=p,
+                                                 backend="nccl-a2a-equal", dtype="bf16", routing="-", tokens=T, sms="-"))
+                    bar.step(f"{p} all_to_all_single equal splits")
+            finally:
+                cluster.call_workers("drop_group", name)
+    if baselines and on_gpu and cluster.world_size >= 2:
+        per_rank = cluster.call_workers("bench", "peer_copy", nbytes=256 * 2**20, iters=iters, warmup=warmup)
+        rank0 = per_rank[:1]
+        med = statistics.median(rank0[0]["times_us"]["peer_copy"])
+        nb = rank0[0]["remote_rows"]
+        result.rows.append(BenchRow(preset="-", backend="copy-engine", op="peer_copy", dtype="u8", routing="-",
+                                    tokens=0, world_size=2, sms="-", median_us=med,
+                                    p10_us=_pct(rank0[0]["times_us"]["peer_copy"], 0.1),
+                                    p90_us=_pct(rank0[0]["times_us"]["peer_copy"], 0.9), per_rank_median_us=[med],
+                                    remote_gbps=nb / med / 1e3, received_gbps=nb / med / 1e3))
+        bar.step("copy-engine peer copy, one pair")
+    return result
+
+
+def add_arguments(parser) -> None:
+    """The flags of ``ray-ep bench`` / ``python -m ray_ep.bench``."""
+    parser.add_argument("--preset", action="append", choices=sorted(BENCH_PRESETS),
+                        help="benchmark preset (repeatable); default: deepseek-v3-prefill on GPUs, tiny on CPU")
+    parser.add_argument("--gpus", type=int, help="GPUs (ranks) on one node; default: all the cluster has")
+    parser.add_argument("--world", type=int, help="ranks (CPU workers when there is no GPU)")
+    parser.add_argument("--topology", help="NODESxGPUS, e.g. 2x2 (several nodes)")
+    parser.add_argument("--backend", default=None,
+                        help="comma list of nvshmem,torch (torch = NCCL pipeline on GPUs, gloo on CPU)")
+    parser.add_argument("--tokens", help="comma list of tokens per rank (a sweep); default: the preset's")
+    parser.add_argument("--routing", default="uniform", help="comma list of uniform,skewed")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--num-sms", type=int, default=None, help="SM budget of the communication kernels")
+    parser.add_argument("--split", action="store_true", help="time the split send/recv forms instead of fused")
+    parser.add_argument("--layer", action="store_true", help="also time whole MoE layers (experts included)")
+    parser.add_argument("--no-baselines", action="store_true", help="skip raw all_to_all and the peer copy")
+    parser.add_argument("--json", help="write every figure to this JSON file")
+    parser.add_argument("--plot", help="write time and bandwidth against tokens per rank to this PNG")
+    parser.add_argument("--address", default=None, help="Ray address (default: start a local Ray)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def topology_from_args(args, default_world: int) -> tuple[int, int]:
+    """(n_nodes, gpus_per_node) from --topology / --gpus / --world."""
+    if args.topology:
+        try:
+            n, g = (int(v) for v in args.topology.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--topology must look like 2x2 (NODESxGPUS), got {args.topology!r}")
+        return n, g
+    return 1, args.gpus or args.world or default_world
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="ray-ep bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_from_args(args)
+
+
+def run_from_args(args) -> int:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    default_world = gpus if gpus else 2
+    n_nodes, per_node = topology_from_args(args, default_world)
+    presets = args.preset or (["deepseek-v3-prefill"] if gpus else ["tiny"])
+    first = BENCH_PRESETS[presets[0]]
+    backend = "torch" if (args.backend or "").split(",") == ["torch"] else "auto"
+    cfg = EPConfig.preset(first["model"], n_nodes=n_nodes, gpus_per_node=per_node, backend=backend,
+                          max_tokens_per_rank=first["tokens"])
+    backends = args.backend.split(",") if args.backend else None
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
+    with EPCluster(cfg, address=args.address) as ep:
+        res = run_bench(ep, presets=presets, backends=backends, tokens=tokens, routing=args.routing.split(","),
+                        iters=args.iters, warmup=args.warmup, num_sms=args.num_sms, fused=not args.split,
+                        layer=args.layer, baselines=not args.no_baselines, progress=not args.quiet)
+    if args.json:
+        res.to_json(args.json)
+    if args.plot:
+        res.plot(args.plot)
+    print(res.table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
