@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # that the kernels may place differently from the reference; fp32 combine leaves only the
 # bf16 expert activations.
 TOLERANCE = {"bf16": 3e-2, "fp32": 1e-2}
-CHECK_LAYER = -1  # the layer slot check() loads its seeded experts into
+OUT_DTYPES = ("bf16", "fp32")  # output dtypes of combine() and forward()
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,12 @@ class CheckReport:
         rows.append(f"max rel error {self.max_rel_error:.2e} (abs {self.max_abs_error:.2e}), "
                     f"tolerance {self.tolerance:.0e}, backend {self.backend}, {self.rounds} round(s): {verdict}")
         return "\n".join(rows)
+
+
+def _check_out_dtype(out_dtype: str) -> None:
+    # checked here: a worker would only raise (a KeyError) after dispatch and compute
+    if out_dtype not in OUT_DTYPES:
+        raise EPInputError(f"out_dtype must be one of {list(OUT_DTYPES)}, got {out_dtype!r}")
 
 
 def _as_config(config: EPConfig | str | dict) -> EPConfig:
@@ -293,6 +299,7 @@ class EPCluster:
 
     def combine(self, fused: bool = True, out_dtype: str = "bf16") -> list[torch.Tensor]:
         """Return expert outputs to their tokens; per rank out [T_r, H] (shared experts added)."""
+        _check_out_dtype(out_dtype)
         self._expect("computed", "combine", "compute")
         out = self._need_group().execute("combine", fused=fused, out_dtype=out_dtype)
         self._phase = None
@@ -310,6 +317,7 @@ class EPCluster:
         """A whole MoE layer on every rank. Give topk ids and weights, or router logits
         ([T_r, E] per rank, softmax top-k with renormalised weights)."""
         g = self._need_group()
+        _check_out_dtype(out_dtype)
         if router_logits is not None:
             if topk_ids is not None or topk_weights is not None:
                 raise EPInputError("give either router_logits or topk_ids + topk_weights, not both")
@@ -341,22 +349,14 @@ class EPCluster:
     def check(self, num_tokens: int | Sequence[int] | None = None, seed: int = 0, routing: str = "uniform",
               rounds: int = 1, fused: bool = True, expert_seed: int = 0) -> CheckReport:
         """Run ``rounds`` layers on fresh seeded inputs and compare every rank's output with
-        :func:`ray_ep.reference.moe_forward`. Loads seeded experts if none are loaded."""
+        :func:`ray_ep.reference.moe_forward`. Every worker rebuilds the whole world's inputs
+        and seeded experts from the seeds and checks its own part (nothing large crosses the
+        driver); the user's expert layers stay untouched."""
         cfg = self.config
-        # seeded experts in a layer slot of their own, so the user's layers stay untouched
-        self.load_experts(seed=expert_seed, layer=CHECK_LAYER)
-        weights = reference.init_expert_weights(cfg, seed=expert_seed)
         n = cfg.max_tokens_per_rank if num_tokens is None else num_tokens
-        max_abs, per_rank = 0.0, [0.0] * self.world_size
-        for i in range(rounds):
-            xs, ids, ws = reference.make_inputs(cfg, n, seed=seed + i, routing=routing)
-            outs = self.forward(xs, ids, ws, fused=fused, out_dtype=cfg.combine_dtype, layer=CHECK_LAYER)
-            refs = reference.moe_forward(cfg, xs, ids, ws, weights)
-            for r, (o, e) in enumerate(zip(outs, refs)):
-                if e.numel() == 0:
-                    continue
-                diff = (o.float() - e.float()).abs().max().item()
-                scale = max(e.float().abs().max().item(), 1e-6)
-                max_abs = max(max_abs, diff)
-                per_rank[r] = max(per_rank[r], diff / scale)
+        results = self._need_group().execute("check", num_tokens=n, seed=seed, routing=routing, rounds=rounds,
+                                             fused=fused, expert_seed=expert_seed)
+        self._phase = None
+        per_rank = [r["rel"] for r in results]
+        max_abs = max(r["max_abs"] for r in results)
         return CheckReport(max_abs, max(per_rank), per_rank, TOLERANCE[cfg.combine_dtype], self.backend or "?", rounds)

@@ -90,6 +90,23 @@ def expected_round_trip(x: torch.Tensor, w: torch.Tensor, cfg: EPConfig) -> torc
     return xs * w.sum(-1, keepdim=True)
 
 
+def soak(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rounds: int, num_tokens: int,
+         routing: str, fused: bool, seed: int = 0) -> dict:
+    """``rounds`` dispatch + combine rounds in a row on the same buffers, fresh inputs each
+    round, identity experts: the largest round-trip error and misplaced rows seen."""
+    worst, bad = 0.0, 0
+    for i in range(rounds):
+        x, ids, w = rank_inputs(cfg, num_tokens, rank, seed + i, routing, device)
+        h = t.dispatch(x, ids, w) if fused else t.dispatch_recv(t.dispatch_send(x, ids, w))
+        bad += misplaced_rows(h, cfg, rank)
+        y = identity_outputs(h, cfg)
+        out = t.combine(y, h, torch.bfloat16) if fused else t.combine_recv(t.combine_send(y, h), torch.bfloat16)
+        if num_tokens:
+            exp = expected_round_trip(x, w, cfg)
+            worst = max(worst, ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item())
+    return {"rank": rank, "max_rel_error": worst, "misplaced_rows": bad, "rounds": rounds}
+
+
 class _Clock:
     """CUDA events on GPUs (with the sleep + on-stream barrier), the host clock on CPUs."""
 

@@ -30,6 +30,8 @@ from .group import WorkerContext
 
 log = logging.getLogger(__name__)
 
+CHECK_LAYER = -1  # the expert-layer slot that check() loads its seeded experts into
+
 # set in every worker before any GPU library starts (NVLink multicast must stay off)
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
@@ -159,6 +161,7 @@ class EPWorker:
         self._y: torch.Tensor | None = None
         self._x: torch.Tensor | None = None
         self._layer = 0
+        self._ref_weights: tuple = (None, None)
 
     @property
     def config(self) -> EPConfig:
@@ -278,8 +281,8 @@ class EPWorker:
                                f"(have {sorted(g.transports)})")
         return g.transports[name]
 
-    def _inputs(self, x_TH, topk_ids_TK, topk_weights_TK, validate: bool = True):
-        cfg = self._cfg()
+    def _inputs(self, x_TH, topk_ids_TK, topk_weights_TK, validate: bool = True, group: str = "main"):
+        cfg = self._group(group).cfg
         if validate:
             validate_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, self.rank)
         x = x_TH.to(self.device)
@@ -371,19 +374,49 @@ class EPWorker:
         return out.cpu()
 
     def moe(self, x_TH, topk_ids_TK, topk_weights_TK, fused: bool = True, backend: str | None = None,
-            out_dtype: str = "bf16", layer: int = 0, validate: bool = True) -> torch.Tensor:
-        """One MoE layer, output on this rank's device. Collective: every rank must call it
-        (with 0 tokens if it has none), in the same order."""
-        t = self._transport(backend)
-        x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate)
-        self._x, self._y = x, None
+            out_dtype: str = "bf16", layer: int = 0, validate: bool = True, group: str = "main") -> torch.Tensor:
+        """One MoE layer (dispatch, experts of ``layer``, combine, shared experts), output on this
+        rank's device. Collective: every rank calls it (with 0 tokens if it has none), in the
+        same order."""
+        t = self._transport(backend, group)
+        g = self._group(group)
+        experts = self._experts_of(layer, group)
+        x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate, group=group)
+        self._handle = self._y = None  # the phase-by-phase state does not survive a whole layer
         with self.stats.phase("dispatch"):
-            self._handle = t.dispatch(x, ids, w) if fused else t.dispatch_recv(t.dispatch_send(x, ids, w))
-        self.stats.count_tokens(self._handle.recv.num_tokens_L, x.shape[0])
+            h = t.dispatch(x, ids, w) if fused else t.dispatch_recv(t.dispatch_send(x, ids, w))
+        self.stats.count_tokens(h.recv.num_tokens_L, x.shape[0])
         with self.stats.phase("experts"):
-            self.compute(layer)
+            y = run_experts(handle=h, experts=experts, scratch=g.scratch)
+            add = shared_experts(x, experts)
+        dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[out_dtype]
         with self.stats.phase("combine"):
-            return self._combine(fused, backend, out_dtype)
+            return t.combine(y, h, dt, add) if fused else t.combine_recv(t.combine_send(y, h), dt, add)
+
+    def check(self, *, group: str = "main", backend: str | None = None, num_tokens, seed: int = 0,
+              routing: str = "uniform", rounds: int = 1, fused: bool = True, expert_seed: int = 0) -> dict:
+        """Run ``rounds`` layers on seeded inputs and compare this rank's output with
+        :func:`ray_ep.reference.moe_forward` computed here for the whole world (every rank
+        rebuilds all inputs from the seed). Returns {"max_abs": .., "rel": ..} (collective)."""
+        g = self._group(group)
+        cfg = g.cfg
+        self.load_experts(seed=expert_seed, layer=CHECK_LAYER, group=group)
+        key = (cfg.hidden_size, cfg.intermediate_size, cfg.n_experts, cfg.n_shared_experts, expert_seed)
+        if self._ref_weights[0] != key:  # the whole world's experts, for the reference (CPU)
+            self._ref_weights = (key, reference.init_expert_weights(cfg, seed=expert_seed))
+        weights = self._ref_weights[1]
+        max_abs = rel = 0.0
+        for i in range(rounds):
+            xs, ids, ws = reference.make_inputs(cfg, num_tokens, seed=seed + i, routing=routing)
+            out = self.moe(xs[self.rank], ids[self.rank], ws[self.rank], fused=fused, backend=backend,
+                           out_dtype=cfg.combine_dtype, layer=CHECK_LAYER, group=group)
+            ref = reference.moe_forward(cfg, xs, ids, ws, weights)[self.rank]
+            if ref.numel():
+                diff = (out.float().cpu() - ref.float()).abs().max().item()
+                max_abs = max(max_abs, diff)
+                rel = max(rel, diff / max(ref.float().abs().max().item(), 1e-6))
+        del g.experts[CHECK_LAYER]
+        return {"max_abs": max_abs, "rel": rel}
 
     def run(self, fn, *args, **kwargs):
         """Call ``fn(worker, *args, **kwargs)`` in this actor: user code (a model's forward, a
@@ -394,7 +427,8 @@ class EPWorker:
         """One benchmark row on this rank (see :mod:`ray_ep.actors.timing`); collective.
 
         kind: ``comm`` (dispatch and combine), ``layer`` (whole MoE layer), ``all_to_all``
-        (raw NCCL, equal splits), ``peer_copy`` (copy engine, rank 0 -> rank 1)."""
+        (raw NCCL, equal splits), ``peer_copy`` (copy engine, rank 0 -> rank 1), ``soak``
+        (many correctness rounds in a row, no timing)."""
         from . import timing
 
         g = self._group(group)
@@ -405,12 +439,14 @@ class EPWorker:
             if g.scratch is None or 0 not in g.experts:
                 self.load_experts(seed=0, group=group)
             r = timing.bench_layer(t, g.cfg, self.rank, self.device, experts=g.experts[0], scratch=g.scratch, **kwargs)
+        elif kind == "soak":
+            return timing.soak(t, g.cfg, self.rank, self.device, **kwargs)
         elif kind == "all_to_all":
             r = timing.bench_alltoall(self._transport("torch", group), g.cfg, self.rank, self.device, **kwargs)
         elif kind == "peer_copy":
             r = timing.bench_peer_copy(self._transport("nvshmem", group), self.rank, self.device, **kwargs)
         else:
-            raise EPInputError(f"unknown benchmark kind {kind!r}: use comm, layer, all_to_all or peer_copy")
+            raise EPInputError(f"unknown benchmark kind {kind!r}: use comm, layer, soak, all_to_all or peer_copy")
         return r.to_dict()
 
     def set_profiling(self, enabled: bool) -> None:

@@ -1,0 +1,154 @@
+"""``ray-ep``: the command line.
+
+    ray-ep plan  --preset deepseek-v3 [--gpus 4]     bytes of every symmetric buffer per GPU
+    ray-ep check --preset tiny --world 4             layers on the cluster vs the reference
+    ray-ep info                                      devices, versions, backends available
+    ray-ep bench --preset deepseek-v3-prefill        benchmark table (see ray_ep.bench)
+    ray-ep serve --workers 2 --port 8000             the example MoE server (see ray_ep.serve)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .config import PRESETS, EPConfig, plan_buffers
+
+
+def _config_from(args: argparse.Namespace, default_world: int) -> EPConfig:
+    overrides = {}
+    if getattr(args, "topology", None):
+        try:
+            n, g = (int(v) for v in args.topology.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--topology must look like 2x2 (NODESxGPUS), got {args.topology!r}")
+        overrides.update(n_nodes=n, gpus_per_node=g)
+    elif args.gpus or args.world:
+        overrides.update(n_nodes=1, gpus_per_node=args.gpus or args.world)
+    for field in ("dispatch_dtype", "backend", "max_tokens_per_rank"):
+        v = getattr(args, field, None)
+        if v is not None:
+            overrides[field] = v
+    if args.config:
+        return EPConfig.from_file(args.config, **overrides)
+    if not overrides.get("gpus_per_node") and args.preset == "tiny":
+        overrides.setdefault("gpus_per_node", default_world)
+    return EPConfig.preset(args.preset, **overrides)
+
+
+def _topology_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
+    p.add_argument("--config", help="YAML or JSON file of EPConfig fields (overrides --preset)")
+    p.add_argument("--gpus", type=int, help="ranks on one node (GPUs)")
+    p.add_argument("--world", type=int, help="ranks on one node (alias of --gpus, for CPU workers)")
+    p.add_argument("--topology", help="NODESxGPUS, e.g. 2x4")
+    p.add_argument("--dispatch-dtype", dest="dispatch_dtype", choices=["bf16", "fp8"])
+    p.add_argument("--max-tokens", dest="max_tokens_per_rank", type=int, help="max_tokens_per_rank (N_max)")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    cfg = _config_from(args, default_world=2)
+    plan = plan_buffers(cfg)
+    print(f"{args.config or args.preset}: {cfg.n_nodes} node(s) x {cfg.gpus_per_node} GPU(s), H={cfg.hidden_size}, "
+          f"E={cfg.n_experts}, K={cfg.top_k}, N_max={cfg.max_tokens_per_rank}, dispatch {cfg.dispatch_dtype}")
+    print(plan.table())
+    print(f"symmetric memory per GPU: {plan.total_bytes / 2**20:.1f} MiB ({plan.total_bytes} bytes)")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .driver import EPCluster
+
+    cfg = _config_from(args, default_world=2)
+    with EPCluster(cfg, address=args.address) as ep:
+        report = ep.check(num_tokens=args.tokens, seed=args.seed, routing=args.routing, rounds=args.rounds,
+                          fused=not args.split)
+    print(f"check: {cfg.world_size} ranks, backend {report.backend}, routing {args.routing}, "
+          f"{args.tokens or cfg.max_tokens_per_rank} tokens per rank")
+    print(report.table())
+    return 0 if report.passed else 1
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import ray
+    import torch
+    import triton
+
+    print(f"ray_ep {__import__('ray_ep').__version__}: torch {torch.__version__}, triton {triton.__version__}, "
+          f"ray {ray.__version__}")
+    n = torch.cuda.device_count()
+    print(f"CUDA devices: {n}" + "".join(f"\n  {i}: {torch.cuda.get_device_name(i)}" for i in range(n)))
+    try:
+        import nvshmem.core  # noqa: F401
+
+        print("nvshmem4py: available (backend nvshmem)")
+    except ImportError:
+        print("nvshmem4py: not installed (pip install 'ray-ep[gpu]' on GPU hosts); backend torch only")
+    print(f"presets: {', '.join(sorted(PRESETS))}")
+    if args.workers:
+        from .driver import EPCluster
+
+        cfg = EPConfig.preset("tiny", gpus_per_node=args.workers)
+        with EPCluster(cfg, address=args.address) as ep:
+            for row in ep.info():
+                print("  " + ", ".join(f"{k}={v}" for k, v in row.items()))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_from_args
+
+    return run_from_args(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import main as serve_main
+
+    return serve_main(args.serve_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ray-ep", description="Mixture-of-Experts dispatch/combine on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="print the symmetric-buffer bytes per GPU of a preset or YAML")
+    _topology_args(p)
+    p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("check", help="run MoE layers on the cluster and compare with the reference")
+    _topology_args(p)
+    p.add_argument("--backend", choices=["auto", "nvshmem", "torch"])
+    p.add_argument("--tokens", type=int, help="tokens per rank (default: max_tokens_per_rank)")
+    p.add_argument("--routing", default="uniform", choices=["uniform", "skewed", "one-expert"])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", action="store_true", help="split send/recv forms instead of fused")
+    p.add_argument("--address", default=None, help="Ray address (default: start a local Ray)")
+    p.set_defaults(fn=cmd_check)
+
+    p = sub.add_parser("info", help="versions, devices and backends")
+    p.add_argument("--workers", type=int, default=0, help="also start N workers and print what they see")
+    p.add_argument("--address", default=None)
+    p.set_defaults(fn=cmd_info)
+
+    from .bench import add_arguments as bench_arguments
+
+    p = sub.add_parser("bench", help="benchmark against the NCCL baselines (see ray_ep.bench)")
+    bench_arguments(p)
+    p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("serve", help="the example MoE server over HTTP (flags: ray-ep serve --help)",
+                       add_help=False)
+    p.add_argument("serve_args", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

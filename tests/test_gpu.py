@@ -1,0 +1,110 @@
+"""GPU suite: the nvshmem backend on 2 and 4 GPUs against ray_ep.reference.
+
+Skipped without CUDA, or with fewer GPUs than a case needs. For every preset (H, E, K of the
+model; a narrow expert width F so the reference's experts stay cheap) and dispatch dtype:
+full layers against the reference with uniform and skewed routing, fused and split forms;
+then 200 dispatch + combine rounds in a row on the same buffers (identity experts, checked
+on the device); and a peer that never signals must give a timeout error naming it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_ep import EPCluster, EPConfig, EPTimeoutError
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs at least 2 CUDA GPUs")]
+
+# bf16 output after several bf16 roundings (see ray_ep.driver.TOLERANCE)
+TOL = 3e-2
+# identity round trip: one bf16 rounding of each partial sum and of the output
+SOAK_TOL = 2e-2
+
+CASES = [  # (preset, dispatch dtype, tokens per rank for the reference check)
+    ("deepseek-v3", "bf16", 64), ("deepseek-v3", "fp8", 64), ("qwen3-moe", "bf16", 64),
+    ("qwen3-moe", "fp8", 64), ("mixtral", "bf16", 64), ("tiny", "bf16", 32),
+]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}gpu")
+def cluster(request):
+    n = request.param
+    if GPUS < n:
+        pytest.skip(f"needs {n} GPUs, have {GPUS}")
+    cfg = EPConfig.preset("tiny", gpus_per_node=n, backend="nvshmem")
+    ep = EPCluster(cfg, use_gpu=True).start()
+    yield ep
+    ep.shutdown()
+
+
+def _group_cfg(cluster: EPCluster, preset: str, dtype: str, **kw) -> EPConfig:
+    return EPConfig.preset(preset, gpus_per_node=cluster.world_size, dispatch_dtype=dtype, intermediate_size=128,
+                           max_tokens_per_rank=256, **kw)
+
+
+@pytest.mark.parametrize("preset,dtype,tokens", CASES, ids=[f"{p}-{d}" for p, d, _ in CASES])
+def test_preset_against_reference(cluster, preset, dtype, tokens):
+    name = f"test/{preset}/{dtype}"
+    cluster.call_workers("add_group", name, _group_cfg(cluster, preset, dtype))
+    try:
+        for routing in ("uniform", "skewed"):
+            for fused in (True, False):
+                counts = [tokens, 0, tokens // 2, 1][: cluster.world_size] if routing == "skewed" else tokens
+                res = cluster.call_workers("check", group=name, num_tokens=counts, routing=routing, fused=fused,
+                                           seed=11, rounds=1)
+                worst = max(r["rel"] for r in res)
+                assert worst <= TOL, f"{routing} fused={fused}: rel error {worst:.3e} > {TOL}"
+        for fused in (True, False):
+            soak = cluster.call_workers("bench", "soak", group=name, rounds=200, num_tokens=256, routing="skewed",
+                                        fused=fused)
+            assert sum(r["misplaced_rows"] for r in soak) == 0
+            worst = max(r["max_rel_error"] for r in soak)
+            assert worst <= SOAK_TOL, f"soak fused={fused}: rel error {worst:.3e}"
+    finally:
+        cluster.call_workers("drop_group", name)
+
+
+def test_largest_batch_and_one_expert(cluster):
+    name = "test/largest"
+    cluster.call_workers("add_group", name, _group_cfg(cluster, "deepseek-v3", "bf16"))
+    try:
+        res = cluster.call_workers("check", group=name, num_tokens=256, routing="one-expert", rounds=1)
+        assert max(r["rel"] for r in res) <= TOL
+    finally:
+        cluster.call_workers("drop_group", name)
+
+
+def test_default_layer_check(cluster):
+    report = cluster.check(num_tokens=32, routing="skewed", rounds=3)
+    assert report.passed, report.table()
+
+
+def _silent_peer(worker, silent_rank: int, group: str):
+    """Every rank but ``silent_rank`` runs a dispatch; it must time out, naming that rank."""
+    from ray_ep.actors.timing import rank_inputs
+
+    if worker.rank == silent_rank:
+        return "silent"
+    g = worker.groups[group]
+    x, ids, w = rank_inputs(g.cfg, 16, worker.rank, 0, "uniform", worker.device)
+    try:
+        g.transports["nvshmem"].dispatch(x, ids, w)
+    except EPTimeoutError as e:
+        return str(e)
+    return "no error"
+
+
+def test_silent_peer_times_out(cluster):
+    name = "test/silent"
+    cfg = _group_cfg(cluster, "tiny", "bf16", recv_timeout_s=0.5)
+    cluster.call_workers("add_group", name, cfg)
+    try:
+        out = cluster.run(_silent_peer, 1, name)
+        for r, msg in enumerate(out):
+            if r == 1:
+                continue
+            assert "timed out" in msg and "[1]" in msg, msg
+    finally:
+        cluster.call_workers("drop_group", name)
