@@ -30,21 +30,61 @@ def num_sms(device: torch.device | str) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def grid_size(work_items: int, device: torch.device | str, budget: int | None) -> int:
-    """Programs for a persistent launch: no more than the work, the SM budget or the SMs.
+COMM_WARPS = 8  # warps per program of the communication kernels: many bytes in flight each
 
-    Receive kernels spin on signals, so every program of a launch must be resident at once:
-    the grid never exceeds the SM count (one program per SM).
+_resident: dict[tuple, int] = {}  # programs per SM that fit at once, per compiled variant
+
+
+def _occupancy(compiled) -> int:
+    """Programs of a compiled kernel one SM holds at once (threads, registers, shared memory)."""
+    threads = 32 * compiled.metadata.num_warps
+    regs = max(1, getattr(compiled, "n_regs", 0) or 1)
+    shared = getattr(compiled.metadata, "shared", 0) or 0
+    fits = [2048 // threads, 65536 // (regs * threads), 32]
+    if shared:
+        fits.append((227 * 1024) // shared)
+    return max(1, min(fits))
+
+
+def launch(kernel, *, work: int, device: torch.device, budget: int | None, resident: bool, args: list,
+           meta: dict) -> None:
+    """Launch a communication kernel over ``work`` program-sized pieces (its loops stride by
+    the grid, so any grid size is correct).
+
+    - ``budget``: at most that many programs (the SM budget of the benchmarks).
+    - ``resident``: the kernel spins on signals from its own programs or peers, so every
+      program must be resident at once: the grid is the SMs times the programs one SM holds
+      (measured from the compiled kernel; one per SM until the first launch has compiled it).
+    - otherwise one program per piece, and the hardware keeps every SM full.
     """
-    cap = num_sms(device) if budget is None else min(budget, num_sms(device))
-    return max(1, min(work_items, cap))
+    sms = num_sms(device)
+    key = (kernel.fn.__qualname__, str(device), tuple(sorted(meta.items())))
+    if budget is not None:
+        grid = min(work, budget, sms * _resident.get(key, 1))
+    elif resident:
+        grid = min(work, sms * _resident.get(key, 1))
+    else:
+        grid = work
+    compiled = kernel[(max(1, grid),)](*args, num_warps=COMM_WARPS, **meta)
+    if key not in _resident and torch.device(device).type == "cuda" and compiled is not None:
+        _resident[key] = _occupancy(compiled)
+
+
+def rows_per_block(N: int, cap: int) -> int:
+    """Receive rows per program step: a power of two dividing N (so a block never spans two
+    source regions), at most ``cap`` (twice that in the interpreter: fewer, larger ops)."""
+    cap = 2 * cap if interpreted() else cap
+    bj = 1
+    while N % (bj * 2) == 0 and bj * 2 <= cap:
+        bj *= 2
+    return bj
 
 
 def tile_shape(H: int, device: torch.device | str, multiple: int = 8) -> tuple[int, int]:
-    """(rows, channels) of a row-copy tile: channels a power of two >= ``multiple``, at most 1024
-    (16 B per thread at 4 warps x 2 rows), and about 4K elements per tile."""
+    """(rows, channels) of a row-copy tile: channels a power of two >= ``multiple``, at most 1024,
+    about 8K elements per tile (16 B vectors, 4 per thread at COMM_WARPS = 8)."""
     block_h = max(multiple, min(1024, triton.next_power_of_2(H)))
-    block_t = max(1, 4096 // block_h)
+    block_t = max(1, 8192 // block_h)
     if interpreted():  # numpy per op: fewer, larger ops are faster
         block_t = max(block_t, 16)
     return block_t, block_h

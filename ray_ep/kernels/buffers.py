@@ -98,7 +98,7 @@ class Workspace:
             epochs=torch.zeros(2, dtype=torch.int64, device=device),
             counters=torch.zeros(4, dtype=torch.int32, device=device),
             status=torch.zeros(cfg.world_size + 1, dtype=torch.int32, device=device),
-            scratch=torch.zeros(num_sms(device), cfg.n_experts, dtype=torch.int32, device=device),
+            scratch=torch.zeros(4 * num_sms(device), cfg.n_experts, dtype=torch.int32, device=device),
         )
 
 

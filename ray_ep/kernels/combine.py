@@ -27,7 +27,7 @@ import triton.language as tl
 from ..config import EPConfig
 from ..errors import EPInputError
 from ._sync import last_program_done, peer_ptr, release_signal, wait_signals
-from ._util import check_tensor, grid_size, interpreted, tile_shape
+from ._util import check_tensor, interpreted, launch, rows_per_block, tile_shape
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 from .dispatch import DispatchHandle
@@ -36,32 +36,43 @@ from .dispatch import DispatchHandle
 # ---- device code ---------------------------------------------------------------------------
 @triton.jit
 def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
-                  rank, R, L, N, H, K: tl.constexpr, BJ: tl.constexpr, BLOCK_H: tl.constexpr,
-                  OUT_DTYPE: tl.constexpr):
+                  rank, R, L, N, H, K: tl.constexpr, K_PAD: tl.constexpr, BJ: tl.constexpr,
+                  BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """Weighted partial sum of each received row's local experts, stored back at its source."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    kk = tl.arange(0, K_PAD)
     for blk in range(pid, tl.cdiv(R * N, BJ), nprog):
         src = (blk * BJ) // N  # BJ divides N: one source per block, so one base pointer
-        i = (blk * BJ) % N + tl.arange(0, BJ)
-        j = (src * N + i).to(tl.int64)
-        live = i < tl.load(recv_counts_ptr + src)
-        if tl.max(live.to(tl.int32), axis=0) > 0:
+        first = (blk * BJ) % N
+        n_src = tl.load(recv_counts_ptr + src)
+        if first < n_src:  # a source's rows are a prefix of its region: skip empty blocks
+            i = first + tl.arange(0, BJ)
+            live = i < n_src
+            j = (src * N + i).to(tl.int64)
+            mk = live[:, None] & (kk[None, :] < K)
+            meta = meta_ptr + j[:, None] * (3 * K) + kk[None, :]
+            ids = tl.load(meta, mask=mk, other=-1)
+            e = ids - rank * L
+            here = mk & (ids >= 0) & (e >= 0) & (e < L)
+            pos = tl.load(src_offsets_ptr + src * L + e, mask=here, other=0) + tl.load(meta + K, mask=here, other=0)
+            w = tl.load(meta + 2 * K, mask=here, other=0).to(tl.float32, bitcast=True)
+            # the c-th local expert of each row: only as many passes as the busiest row needs
+            nth = tl.cumsum(here.to(tl.int32), axis=1)
+            passes = tl.max(tl.max(nth, axis=1), axis=0)
             dst = peer_ptr(peer_bases_ptr, src, off_x, OUT_DTYPE) + (rank * N + i)[:, None].to(tl.int64) * H
             for h0 in range(0, H, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)
                 cm = cols < H
                 acc = tl.zeros((BJ, BLOCK_H), dtype=tl.float32)
-                for k in tl.static_range(K):
-                    ids = tl.load(meta_ptr + j * (3 * K) + k, mask=live, other=-1)
-                    e = ids - rank * L
-                    here = live & (ids >= 0) & (e >= 0) & (e < L)
-                    pos = tl.load(src_offsets_ptr + src * L + e, mask=here, other=0) + \
-                        tl.load(meta_ptr + j * (3 * K) + K + k, mask=here, other=0)
-                    w = tl.load(meta_ptr + j * (3 * K) + 2 * K + k, mask=here, other=0).to(tl.float32, bitcast=True)
-                    yk = tl.load(y_ptr + pos[:, None].to(tl.int64) * stride_y + cols[None, :],
-                                 mask=here[:, None] & cm[None, :], other=0.0)
-                    acc += w[:, None] * yk.to(tl.float32)
+                for c in range(passes):
+                    sel = here & (nth == c + 1)
+                    has = tl.max(sel.to(tl.int32), axis=1) > 0
+                    pos_c = tl.sum(tl.where(sel, pos, 0), axis=1)
+                    w_c = tl.sum(tl.where(sel, w, 0.0), axis=1)
+                    yk = tl.load(y_ptr + pos_c[:, None].to(tl.int64) * stride_y + cols[None, :],
+                                 mask=has[:, None] & cm[None, :], other=0.0)
+                    acc += w_c[:, None] * yk.to(tl.float32)
                 tl.store(dst + cols[None, :], acc.to(OUT_DTYPE), mask=live[:, None] & cm[None, :])
 
 
@@ -101,10 +112,11 @@ def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, 
 @triton.jit
 def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr,
                          epochs_ptr, counters_ptr, off_x, off_signal, rank, R, L, N, H,
-                         K: tl.constexpr, BJ: tl.constexpr, BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                         K: tl.constexpr, K_PAD: tl.constexpr, BJ: tl.constexpr, BLOCK_H: tl.constexpr,
+                         OUT_DTYPE: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
-                  rank, R, L, N, H, K, BJ, BLOCK_H, OUT_DTYPE)
+                  rank, R, L, N, H, K, K_PAD, BJ, BLOCK_H, OUT_DTYPE)
     if last_program_done(counters_ptr):
         _signal_all(peer_bases_ptr, off_signal, rank, R, epoch + 1)
 
@@ -126,11 +138,12 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
                           signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
                           epochs_ptr, send_counter_ptr, recv_counter_ptr, status_ptr,
                           off_x, off_signal, rank, R, L, N, H, T, timeout_ns, max_spins,
-                          K: tl.constexpr, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BJ: tl.constexpr,
+                          K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr,
+                          BJ: tl.constexpr,
                           BT: tl.constexpr, BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, USE_TIMER: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
-                  rank, R, L, N, H, K, BJ, BLOCK_H, OUT_DTYPE)
+                  rank, R, L, N, H, K, K_PAD, BJ, BLOCK_H, OUT_DTYPE)
     if last_program_done(send_counter_ptr):
         _signal_all(peer_bases_ptr, off_signal, rank, R, epoch + 1)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
@@ -141,15 +154,6 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
 
 # ---- launchers -----------------------------------------------------------------------------
 _TL_DTYPES = {"bf16": tl.bfloat16, "fp32": tl.float32}
-
-
-def _rows_per_block(N: int) -> int:
-    """Rows per program step of the combine send: a power of two dividing N (so a block never
-    spans two sources), at most 8 (16 in the interpreter)."""
-    bj = 1
-    while N % (bj * 2) == 0 and bj < (16 if interpreted() else 8):
-        bj *= 2
-    return bj
 
 
 def _check_y(cfg: EPConfig, y_MH: torch.Tensor, device: torch.device) -> None:
@@ -181,15 +185,15 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
     """
     _check_y(cfg, y_MH, bufs.device)
     R, N = cfg.world_size, cfg.max_tokens_per_rank
-    bj = _rows_per_block(N)
+    bj = rows_per_block(N, 8)
     _, bh = tile_shape(cfg.hidden_size, bufs.device)
-    grid = grid_size(triton.cdiv(R * N, bj), bufs.device, num_sms if num_sms else cfg.num_sms)
-    _combine_send_kernel[(grid,)](
-        *_send_args(cfg, y_MH, handle, bufs), ws.epochs[EPOCH_COMBINE:], ws.counters[COUNTER_COMBINE_SEND:],
-        bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.rank, R,
-        cfg.experts_per_rank, N, cfg.hidden_size, K=cfg.top_k, BJ=bj, BLOCK_H=bh,
-        OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype])
-
+    args = [*_send_args(cfg, y_MH, handle, bufs), ws.epochs[EPOCH_COMBINE:], ws.counters[COUNTER_COMBINE_SEND:],
+            bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.rank, R,
+            cfg.experts_per_rank, N, cfg.hidden_size]
+    launch(_combine_send_kernel, work=triton.cdiv(R * N, bj), device=bufs.device, budget=num_sms or cfg.num_sms,
+           resident=False, args=args,
+           meta=dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), BJ=bj, BLOCK_H=bh,
+                     OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype]))
 
 
 def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
@@ -199,15 +203,15 @@ def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffer
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     bt, bh = tile_shape(cfg.hidden_size, bufs.device)
     timeout_ns, max_spins = int(cfg.recv_timeout_s * 1e9), max(1, int(cfg.recv_timeout_s * 1000))
-    grid = grid_size(triton.cdiv(handle.num_tokens, bt), bufs.device, num_sms if num_sms else cfg.num_sms)
     v = bufs.local
-    _combine_recv_kernel[(grid,)](
-        v["combine.recv_count.signal"], v["combine.recv.x"], handle.layout.token_slots_TR,
-        add_TH if add_TH is not None else out, add_TH.stride(0) if add_TH is not None else 0, out, out.stride(0),
-        ws.epochs[EPOCH_COMBINE:], ws.counters[COUNTER_COMBINE_RECV:], ws.status, handle.num_tokens,
-        cfg.max_tokens_per_rank, cfg.hidden_size, cfg.world_size, timeout_ns, max_spins,
-        R_PAD=triton.next_power_of_2(cfg.world_size), HAS_ADD=add_TH is not None, BT=bt, BLOCK_H=bh,
-        USE_TIMER=not interpreted())
+    args = [v["combine.recv_count.signal"], v["combine.recv.x"], handle.layout.token_slots_TR,
+            add_TH if add_TH is not None else out, add_TH.stride(0) if add_TH is not None else 0, out, out.stride(0),
+            ws.epochs[EPOCH_COMBINE:], ws.counters[COUNTER_COMBINE_RECV:], ws.status, handle.num_tokens,
+            cfg.max_tokens_per_rank, cfg.hidden_size, cfg.world_size, timeout_ns, max_spins]
+    launch(_combine_recv_kernel, work=triton.cdiv(handle.num_tokens, bt), device=bufs.device,
+           budget=num_sms or cfg.num_sms, resident=True, args=args,
+           meta=dict(R_PAD=triton.next_power_of_2(cfg.world_size), HAS_ADD=add_TH is not None, BT=bt, BLOCK_H=bh,
+                     USE_TIMER=not interpreted()))
     if check:
         check_status(ws, bufs.rank, "combine")
     return out
@@ -220,21 +224,21 @@ def combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: 
     _check_y(cfg, y_MH, bufs.device)
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     R, N = cfg.world_size, cfg.max_tokens_per_rank
-    bj = _rows_per_block(N)
+    bj = rows_per_block(N, 8)
     bt, bh = tile_shape(cfg.hidden_size, bufs.device)
     timeout_ns, max_spins = int(cfg.recv_timeout_s * 1e9), max(1, int(cfg.recv_timeout_s * 1000))
-    grid = grid_size(max(triton.cdiv(R * N, bj), triton.cdiv(handle.num_tokens, bt)), bufs.device,
-                     num_sms if num_sms else cfg.num_sms)
     v = bufs.local
-    _combine_fused_kernel[(grid,)](
-        *_send_args(cfg, y_MH, handle, bufs), v["combine.recv_count.signal"], v["combine.recv.x"],
-        handle.layout.token_slots_TR, add_TH if add_TH is not None else out,
-        add_TH.stride(0) if add_TH is not None else 0, out, out.stride(0), ws.epochs[EPOCH_COMBINE:],
-        ws.counters[COUNTER_COMBINE_SEND:], ws.counters[COUNTER_COMBINE_RECV:], ws.status,
-        bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.rank, R,
-        cfg.experts_per_rank, N, cfg.hidden_size, handle.num_tokens, timeout_ns, max_spins,
-        K=cfg.top_k, R_PAD=triton.next_power_of_2(R), HAS_ADD=add_TH is not None, BJ=bj, BT=bt, BLOCK_H=bh,
-        OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype], USE_TIMER=not interpreted())
+    args = [*_send_args(cfg, y_MH, handle, bufs), v["combine.recv_count.signal"], v["combine.recv.x"],
+            handle.layout.token_slots_TR, add_TH if add_TH is not None else out,
+            add_TH.stride(0) if add_TH is not None else 0, out, out.stride(0), ws.epochs[EPOCH_COMBINE:],
+            ws.counters[COUNTER_COMBINE_SEND:], ws.counters[COUNTER_COMBINE_RECV:], ws.status,
+            bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.rank, R,
+            cfg.experts_per_rank, N, cfg.hidden_size, handle.num_tokens, timeout_ns, max_spins]
+    launch(_combine_fused_kernel, work=max(triton.cdiv(R * N, bj), triton.cdiv(handle.num_tokens, bt)),
+           device=bufs.device, budget=num_sms or cfg.num_sms, resident=True, args=args,
+           meta=dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(R),
+                     HAS_ADD=add_TH is not None, BJ=bj, BT=bt, BLOCK_H=bh, OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype],
+                     USE_TIMER=not interpreted()))
     if check:
         check_status(ws, bufs.rank, "combine")
     return out

@@ -35,7 +35,7 @@ import triton.language as tl
 from ..config import FP8_GROUP, EPConfig
 from ..errors import EPInputError
 from ._sync import last_program_done, now_ns, peer_ptr, release_signal, wait_signals  # noqa: F401
-from ._util import check_tensor, grid_size, interpreted, tile_shape
+from ._util import check_tensor, interpreted, launch, rows_per_block, tile_shape
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW,
                       SymmetricBuffers, Workspace, check_status)
 from .layout import DispatchLayout, compute_layout, compute_layout_ref
@@ -199,16 +199,19 @@ def _recv_layout(signal_ptr, counts_ptr, meta_ptr, target, status_ptr, scratch_p
             tl.debug_barrier()
             kk = tl.arange(0, K_PAD)
             for blk in range(pid, tl.cdiv(R * N, BJ), nprog):
-                j = blk * BJ + tl.arange(0, BJ)
-                src = j // N
-                live = (j < R * N) & ((j % N) < tl.load(counts_ptr + src * (L + 1), mask=j < R * N, other=0))
-                mk = live[:, None] & (kk[None, :] < K)
-                ids = tl.load(meta_ptr + j[:, None].to(tl.int64) * (3 * K) + kk[None, :], mask=mk, other=-1)
-                ords = tl.load(meta_ptr + j[:, None].to(tl.int64) * (3 * K) + K + kk[None, :], mask=mk, other=0)
-                e = ids - rank * L
-                here = mk & (ids >= 0) & (e >= 0) & (e < L)
-                pos = tl.load(mine + src[:, None] * L + e, mask=here, other=0) + ords
-                tl.store(row_ids_ptr + pos, j[:, None] + kk[None, :] * 0, mask=here)
+                src = (blk * BJ) // N  # BJ divides N: one source per block
+                first = (blk * BJ) % N
+                n_src = tl.load(counts_ptr + src * (L + 1))
+                if first < n_src:  # a source's rows are a prefix of its region: skip empty blocks
+                    i = first + tl.arange(0, BJ)
+                    j = src * N + i
+                    mk = (i < n_src)[:, None] & (kk[None, :] < K)
+                    ids = tl.load(meta_ptr + j[:, None].to(tl.int64) * (3 * K) + kk[None, :], mask=mk, other=-1)
+                    ords = tl.load(meta_ptr + j[:, None].to(tl.int64) * (3 * K) + K + kk[None, :], mask=mk, other=0)
+                    e = ids - rank * L
+                    here = mk & (ids >= 0) & (e >= 0) & (e < L)
+                    pos = tl.load(mine + src * L + e, mask=here, other=0) + ords
+                    tl.store(row_ids_ptr + pos, j[:, None] + kk[None, :] * 0, mask=here)
 
 
 @triton.jit
@@ -299,10 +302,15 @@ def _send_args(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispat
     return args, meta
 
 
+def _scratch_cap(ws: Workspace, budget: int | None) -> int:
+    """Receive programs each need a private row of ws.scratch: never more programs than rows."""
+    return min(budget, ws.scratch.shape[0]) if budget else ws.scratch.shape[0]
+
+
 def _recv_meta(cfg: EPConfig) -> dict:
     return dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(cfg.world_size),
                 L_PAD=triton.next_power_of_2(cfg.experts_per_rank),
-                A_PAD=triton.next_power_of_2(cfg.expert_alignment), BJ=64 if interpreted() else 32,
+                A_PAD=triton.next_power_of_2(cfg.expert_alignment), BJ=rows_per_block(cfg.max_tokens_per_rank, 32),
                 USE_TIMER=not interpreted())
 
 
@@ -338,11 +346,11 @@ def dispatch_send(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tenso
         layout = compute_layout(topk_ids_TK=topk_ids_TK, world_size=cfg.world_size,
                                 experts_per_rank=cfg.experts_per_rank)
     args, meta = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, bufs)
-    grid = grid_size(triton.cdiv(x_TH.shape[0], meta["BT"]), dev, num_sms if num_sms else cfg.num_sms)
-    _dispatch_send_kernel[(grid,)](
-        *args, bufs.peer_bases, ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_SEND:],
-        **_plan_offsets(bufs), T=x_TH.shape[0], H=cfg.hidden_size, N=cfg.max_tokens_per_rank,
-        rank=bufs.rank, R=cfg.world_size, L=cfg.experts_per_rank, **meta)
+    args += [bufs.peer_bases, ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_SEND:],
+             *_plan_offsets(bufs).values(), x_TH.shape[0], cfg.hidden_size, cfg.max_tokens_per_rank,
+             bufs.rank, cfg.world_size, cfg.experts_per_rank]
+    launch(_dispatch_send_kernel, work=triton.cdiv(x_TH.shape[0], meta["BT"]), device=dev,
+           budget=num_sms or cfg.num_sms, resident=False, args=args, meta=meta)
     return layout
 
 
@@ -358,14 +366,13 @@ def dispatch_recv(*, cfg: EPConfig, layout: DispatchLayout, bufs: SymmetricBuffe
     recv = out if out is not None else RecvLayout.allocate(cfg, bufs.device)
     timeout_ns, max_spins = _timeouts(cfg)
     meta = _recv_meta(cfg)
-    grid = grid_size(triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]), bufs.device,
-                     num_sms if num_sms else cfg.num_sms)
     v = bufs.local
-    _dispatch_recv_kernel[(grid,)](
-        v["dispatch.recv_count.signal"], v["dispatch.recv_count.counts"], v["dispatch.recv.meta"],
-        ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_RECV:], ws.status, ws.scratch,
-        *_recv_outputs(recv), bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.max_tokens_per_rank,
-        cfg.max_recv_rows, cfg.expert_alignment, timeout_ns, max_spins, **meta)
+    args = [v["dispatch.recv_count.signal"], v["dispatch.recv_count.counts"], v["dispatch.recv.meta"],
+            ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_RECV:], ws.status, ws.scratch,
+            *_recv_outputs(recv), bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.max_tokens_per_rank,
+            cfg.max_recv_rows, cfg.expert_alignment, timeout_ns, max_spins]
+    launch(_dispatch_recv_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]),
+           device=bufs.device, budget=_scratch_cap(ws, num_sms or cfg.num_sms), resident=True, args=args, meta=meta)
     if check:
         check_status(ws, bufs.rank, "dispatch")
     return _handle(cfg, bufs, layout, recv, num_tokens)
@@ -383,15 +390,15 @@ def dispatch(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, to
     meta = {**_recv_meta(cfg), **send_meta}
     timeout_ns, max_spins = _timeouts(cfg)
     work = max(triton.cdiv(x_TH.shape[0], meta["BT"]), triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]))
-    grid = grid_size(work, dev, num_sms if num_sms else cfg.num_sms)
     v = bufs.local
-    _dispatch_fused_kernel[(grid,)](
-        *args, bufs.peer_bases, ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_SEND:],
-        ws.counters[COUNTER_DISPATCH_RECV:], ws.status, ws.scratch, *_recv_outputs(recv),
-        v["dispatch.recv_count.signal"], v["dispatch.recv_count.counts"], v["dispatch.recv.meta"],
-        **_plan_offsets(bufs), T=x_TH.shape[0], H=cfg.hidden_size, N=cfg.max_tokens_per_rank,
-        rank=bufs.rank, R=cfg.world_size, L=cfg.experts_per_rank, CAP=cfg.max_recv_rows,
-        ALIGN=cfg.expert_alignment, timeout_ns=timeout_ns, max_spins=max_spins, **meta)
+    args += [bufs.peer_bases, ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_SEND:],
+             ws.counters[COUNTER_DISPATCH_RECV:], ws.status, ws.scratch, *_recv_outputs(recv),
+             v["dispatch.recv_count.signal"], v["dispatch.recv_count.counts"], v["dispatch.recv.meta"],
+             *_plan_offsets(bufs).values(), x_TH.shape[0], cfg.hidden_size, cfg.max_tokens_per_rank,
+             bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.max_recv_rows, cfg.expert_alignment,
+             timeout_ns, max_spins]
+    launch(_dispatch_fused_kernel, work=work, device=dev, budget=_scratch_cap(ws, num_sms or cfg.num_sms),
+           resident=True, args=args, meta=meta)
     if check:
         check_status(ws, bufs.rank, "dispatch")
     return _handle(cfg, bufs, layout, recv, x_TH.shape[0])

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from .. import reference
 from ..config import FP8_GROUP
+from ..errors import EPInputError
 from ._util import check_tensor, tile_shape
 
 FP8_MAX = reference.FP8_MAX
@@ -33,8 +34,11 @@ def round_to_e4m3(v):
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == 0xFFF00000
     normal = bits.to(tl.float32, bitcast=True)
     # below 2^-6 e4m3 is subnormal with a fixed step of 2^-9: the add/sub of 1.5 * 2^14
-    # makes fp32 itself round at that step
-    sub = (v + 24576.0) - 24576.0
+    # makes fp32 itself round at that step. It works on |v| and puts the sign bit back, so
+    # a negative value that rounds to zero gives -0 as a direct conversion does (the twin)
+    sub = (tl.abs(v) + 24576.0) - 24576.0
+    sign = v.to(tl.int32, bitcast=True) & -2147483648  # -2147483648 == 0x80000000
+    sub = (sub.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
 
@@ -88,7 +92,20 @@ def _dequantize_fp8_kernel(q_ptr, s_ptr, out_ptr, T, H, BLOCK_T: tl.constexpr, B
 
 def _check_h(H: int) -> None:
     if H % FP8_GROUP:
-        raise ValueError(f"fp8 quantisation needs H a multiple of {FP8_GROUP}, got H = {H}")
+        raise EPInputError(f"fp8 quantisation needs H a multiple of {FP8_GROUP}, got H = {H}")
+
+
+def _check_quantize(x_TH: torch.Tensor) -> None:
+    check_tensor("x_TH", x_TH, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), inner_contiguous=True)
+    _check_h(x_TH.shape[1])
+
+
+def _check_dequantize(q_TH: torch.Tensor, scales_TG: torch.Tensor) -> None:
+    check_tensor("q_TH", q_TH, dims=2, dtypes=(torch.float8_e4m3fn,), contiguous=True)
+    T, H = q_TH.shape
+    _check_h(H)
+    check_tensor("scales_TG", scales_TG, shape=(T, H // FP8_GROUP), dtypes=(torch.float32,),
+                 contiguous=True, device=q_TH.device)
 
 
 def quantize_fp8(*, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,9 +115,8 @@ def quantize_fp8(*, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales_TG [T, H / 128] fp32. Example: a row of 128 channels with amax 3.5 gets scale
     3.5 / 448 = 0.0078125 and q = x / 0.0078125 rounded to e4m3.
     """
-    check_tensor("x_TH", x_TH, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), inner_contiguous=True)
+    _check_quantize(x_TH)
     T, H = x_TH.shape
-    _check_h(H)
     q = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=x_TH.device)
     s = torch.empty(T, H // FP8_GROUP, dtype=torch.float32, device=x_TH.device)
     if T:
@@ -111,11 +127,8 @@ def quantize_fp8(*, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_fp8(*, q_TH: torch.Tensor, scales_TG: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """fp8 rows with per-128-channel scales back to ``out_dtype`` [T, H]."""
-    check_tensor("q_TH", q_TH, dims=2, dtypes=(torch.float8_e4m3fn,), contiguous=True)
+    _check_dequantize(q_TH, scales_TG)
     T, H = q_TH.shape
-    _check_h(H)
-    check_tensor("scales_TG", scales_TG, shape=(T, H // FP8_GROUP), dtypes=(torch.float32,),
-                 contiguous=True, device=q_TH.device)
     out = torch.empty(T, H, dtype=out_dtype, device=q_TH.device)
     if T:
         bt, bh = tile_shape(H, q_TH.device, multiple=FP8_GROUP)
@@ -125,9 +138,11 @@ def dequantize_fp8(*, q_TH: torch.Tensor, scales_TG: torch.Tensor, out_dtype: to
 
 def quantize_fp8_ref(*, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of :func:`quantize_fp8`."""
+    _check_quantize(x_TH)
     return reference.quantize_fp8(x_TH)
 
 
 def dequantize_fp8_ref(*, q_TH: torch.Tensor, scales_TG: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Torch twin of :func:`dequantize_fp8`."""
+    _check_dequantize(q_TH, scales_TG)
     return reference.dequantize_fp8(q_TH, scales_TG).to(out_dtype)
