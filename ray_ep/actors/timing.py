@@ -23,7 +23,7 @@ from ..kernels.dispatch import DispatchHandle
 from ..reference import dequantize_fp8, quantize_fp8
 from ..transport.base import Transport
 
-SLEEP_CYCLES = 200_000  # ~100 us at H100/H200 clocks: enough for the host to queue a phase
+SLEEP_CYCLES = 4_000_000  # ~2 ms at H100/H200 clocks: the host queues a whole phase meanwhile
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,28 @@ def release_signal(peer_bases_ptr, rank, signal_offset_bytes, slot, value):
 
 
 @triton.jit
+def live_blocks(counts_ptr, count_stride, R, BJ: tl.constexpr, R_PAD: tl.constexpr):
+    """Blocks of BJ rows that hold received rows, source by source: (rows per source [R_PAD],
+    first block of each source [R_PAD], total blocks). Loops visit only these blocks, so an
+    empty receive region costs nothing (the host never knows the counts)."""
+    s = tl.arange(0, R_PAD)
+    rows = tl.load(counts_ptr + s * count_stride, mask=s < R, other=0)
+    nblk = (rows + BJ - 1) // BJ
+    ends = tl.cumsum(nblk, axis=0)
+    return rows, ends - nblk, tl.sum(nblk, axis=0)
+
+
+@triton.jit
+def locate_block(b, rows, starts, R_PAD: tl.constexpr, BJ: tl.constexpr):
+    """Source, first row and row count of live block ``b`` (see :func:`live_blocks`)."""
+    s = tl.arange(0, R_PAD)
+    # sources with no rows share their start with the next one: the last source with rows <= b
+    src = tl.max(tl.where((b >= starts) & (rows > 0), s, 0), axis=0)
+    first = (b - tl.sum(tl.where(s == src, starts, 0), axis=0)) * BJ
+    return src, first, tl.sum(tl.where(s == src, rows, 0), axis=0)
+
+
+@triton.jit
 def wait_signals(signal_ptr, R, target, status_ptr, timeout_ns, max_spins,
                  R_PAD: tl.constexpr, USE_TIMER: tl.constexpr):
     """Spin until signal_ptr[s] >= target for every s < R (acquire, system scope).
@@ -80,13 +102,17 @@ def wait_signals(signal_ptr, R, target, status_ptr, timeout_ns, max_spins,
     spins = 0
     expired = 0
     while (tl.max(pending.to(tl.int32), axis=0) > 0) & (expired == 0):
-        sig = tl.atomic_add(signal_ptr + src, 0, mask=pending, sem="acquire", scope="sys")
+        # volatile: a fresh read every turn (the compiler may not hoist it out of the loop)
+        sig = tl.load(signal_ptr + src, mask=pending, other=0, volatile=True)
         pending = pending & (sig < target)
         spins += 1
         if USE_TIMER:
             expired = ((now_ns(USE_TIMER) - start) > timeout_ns).to(tl.int32)
         else:
             expired = (spins > max_spins).to(tl.int32)
+    # acquire: the rows and counts the peers published before their signals are visible now
+    tl.atomic_add(signal_ptr + src, 0, mask=live, sem="acquire", scope="sys")
+    tl.debug_barrier()
     silent = tl.max(pending.to(tl.int32), axis=0)
     if silent > 0:
         tl.atomic_or(status_ptr, _STATUS_TIMEOUT)

@@ -30,7 +30,7 @@ def num_sms(device: torch.device | str) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-COMM_WARPS = 8  # warps per program of the communication kernels: many bytes in flight each
+COMM_WARPS = 4  # warps per program of the communication kernels (see tile_shape)
 
 _resident: dict[tuple, int] = {}  # programs per SM that fit at once, per compiled variant
 
@@ -70,24 +70,17 @@ def launch(kernel, *, work: int, device: torch.device, budget: int | None, resid
         _resident[key] = _occupancy(compiled)
 
 
-def rows_per_block(N: int, cap: int) -> int:
-    """Receive rows per program step: a power of two dividing N (so a block never spans two
-    source regions), at most ``cap`` (twice that in the interpreter: fewer, larger ops)."""
-    cap = 2 * cap if interpreted() else cap
-    bj = 1
-    while N % (bj * 2) == 0 and bj * 2 <= cap:
-        bj *= 2
-    return bj
-
-
 def tile_shape(H: int, device: torch.device | str, multiple: int = 8) -> tuple[int, int]:
-    """(rows, channels) of a row-copy tile: channels a power of two >= ``multiple``, at most 1024,
-    about 8K elements per tile (16 B vectors, 4 per thread at COMM_WARPS = 8)."""
-    block_h = max(multiple, min(1024, triton.next_power_of_2(H)))
-    block_t = max(1, 8192 // block_h)
-    if interpreted():  # numpy per op: fewer, larger ops are faster
-        block_t = max(block_t, 16)
-    return block_t, block_h
+    """(rows, channels) of a row tile.
+
+    On GPUs one row per program and up to 1024 channels per step (16 B per thread at
+    COMM_WARPS = 4): small programs, many of them resident on every SM, each with a few
+    independent loads in flight, hide memory and NVLink latency. In the interpreter, whole
+    rows and many of them per op (numpy is fastest on big arrays).
+    """
+    if interpreted():
+        return 16, max(multiple, min(8192, triton.next_power_of_2(H)))
+    return 1, max(multiple, min(1024, triton.next_power_of_2(H)))
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:

@@ -26,8 +26,8 @@ import triton.language as tl
 
 from ..config import EPConfig
 from ..errors import EPInputError
-from ._sync import last_program_done, peer_ptr, release_signal, wait_signals
-from ._util import check_tensor, interpreted, launch, rows_per_block, tile_shape
+from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signal, wait_signals
+from ._util import check_tensor, interpreted, launch, tile_shape
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 from .dispatch import DispatchHandle
@@ -36,44 +36,40 @@ from .dispatch import DispatchHandle
 # ---- device code ---------------------------------------------------------------------------
 @triton.jit
 def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
-                  rank, R, L, N, H, K: tl.constexpr, K_PAD: tl.constexpr, BJ: tl.constexpr,
+                  rank, R, L, N, H, K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BJ: tl.constexpr,
                   BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """Weighted partial sum of each received row's local experts, stored back at its source."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     kk = tl.arange(0, K_PAD)
-    for blk in range(pid, tl.cdiv(R * N, BJ), nprog):
-        src = (blk * BJ) // N  # BJ divides N: one source per block, so one base pointer
-        first = (blk * BJ) % N
-        n_src = tl.load(recv_counts_ptr + src)
-        if first < n_src:  # a source's rows are a prefix of its region: skip empty blocks
-            i = first + tl.arange(0, BJ)
-            live = i < n_src
-            j = (src * N + i).to(tl.int64)
-            mk = live[:, None] & (kk[None, :] < K)
-            meta = meta_ptr + j[:, None] * (3 * K) + kk[None, :]
-            ids = tl.load(meta, mask=mk, other=-1)
-            e = ids - rank * L
-            here = mk & (ids >= 0) & (e >= 0) & (e < L)
-            pos = tl.load(src_offsets_ptr + src * L + e, mask=here, other=0) + tl.load(meta + K, mask=here, other=0)
-            w = tl.load(meta + 2 * K, mask=here, other=0).to(tl.float32, bitcast=True)
-            # the c-th local expert of each row: only as many passes as the busiest row needs
-            nth = tl.cumsum(here.to(tl.int32), axis=1)
-            passes = tl.max(tl.max(nth, axis=1), axis=0)
-            dst = peer_ptr(peer_bases_ptr, src, off_x, OUT_DTYPE) + (rank * N + i)[:, None].to(tl.int64) * H
-            for h0 in range(0, H, BLOCK_H):
-                cols = h0 + tl.arange(0, BLOCK_H)
-                cm = cols < H
-                acc = tl.zeros((BJ, BLOCK_H), dtype=tl.float32)
-                for c in range(passes):
-                    sel = here & (nth == c + 1)
-                    has = tl.max(sel.to(tl.int32), axis=1) > 0
-                    pos_c = tl.sum(tl.where(sel, pos, 0), axis=1)
-                    w_c = tl.sum(tl.where(sel, w, 0.0), axis=1)
-                    yk = tl.load(y_ptr + pos_c[:, None].to(tl.int64) * stride_y + cols[None, :],
-                                 mask=has[:, None] & cm[None, :], other=0.0)
-                    acc += w_c[:, None] * yk.to(tl.float32)
-                tl.store(dst + cols[None, :], acc.to(OUT_DTYPE), mask=live[:, None] & cm[None, :])
+    rows, starts, nblk = live_blocks(recv_counts_ptr, 1, R, BJ, R_PAD)
+    for b in range(pid, nblk, nprog):
+        src, first, n_src = locate_block(b, rows, starts, R_PAD, BJ)  # one source per block: one base pointer
+        i = first + tl.arange(0, BJ)
+        live = i < n_src
+        j = (src * N + i).to(tl.int64)
+        mk = live[:, None] & (kk[None, :] < K)
+        meta = meta_ptr + j[:, None] * (3 * K) + kk[None, :]
+        ids = tl.load(meta, mask=mk, other=-1)
+        e = ids - rank * L
+        here = mk & (ids >= 0) & (e >= 0) & (e < L)
+        pos = tl.load(src_offsets_ptr + src * L + e, mask=here, other=0) + tl.load(meta + K, mask=here, other=0)
+        w = tl.load(meta + 2 * K, mask=here, other=0).to(tl.float32, bitcast=True)
+        dst = peer_ptr(peer_bases_ptr, src, off_x, OUT_DTYPE) + (rank * N + i)[:, None].to(tl.int64) * H
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cm = cols < H
+            acc = tl.zeros((BJ, BLOCK_H), dtype=tl.float32)
+            # unrolled over the K slots: the loads of all local experts are in flight at once
+            for k in tl.static_range(K):
+                sel = here & (kk[None, :] == k)
+                has = tl.max(sel.to(tl.int32), axis=1) > 0
+                pos_k = tl.sum(tl.where(sel, pos, 0), axis=1)
+                w_k = tl.sum(tl.where(sel, w, 0.0), axis=1)
+                yk = tl.load(y_ptr + pos_k[:, None].to(tl.int64) * stride_y + cols[None, :],
+                             mask=has[:, None] & cm[None, :], other=0.0)
+                acc += w_k[:, None] * yk.to(tl.float32)
+            tl.store(dst + cols[None, :], acc.to(OUT_DTYPE), mask=live[:, None] & cm[None, :])
 
 
 @triton.jit
@@ -85,7 +81,7 @@ def _signal_all(peer_bases_ptr, off_signal, rank, R, value):
 
 @triton.jit
 def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R,
-              HAS_ADD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr):
+              R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t] = sum over ranks d of recv[d * N + slot[t, d]] (+ add[t]), fp32 accumulation."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -96,8 +92,8 @@ def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, 
             cols = h0 + tl.arange(0, BLOCK_H)
             cm = cols < H
             acc = tl.zeros((BT, BLOCK_H), dtype=tl.float32)
-            for d in range(R):
-                slot = tl.load(slots_ptr + toks * R + d, mask=tm, other=-1)
+            for d in tl.static_range(R_PAD):  # unrolled: every rank's row in flight at once
+                slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R), other=-1)
                 ok = slot >= 0
                 rows = (d * N + slot).to(tl.int64)
                 v = tl.load(recv_ptr + rows[:, None] * H + cols[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
@@ -112,28 +108,28 @@ def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, 
 @triton.jit
 def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr,
                          epochs_ptr, counters_ptr, off_x, off_signal, rank, R, L, N, H,
-                         K: tl.constexpr, K_PAD: tl.constexpr, BJ: tl.constexpr, BLOCK_H: tl.constexpr,
-                         OUT_DTYPE: tl.constexpr):
+                         K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BJ: tl.constexpr,
+                         BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
-                  rank, R, L, N, H, K, K_PAD, BJ, BLOCK_H, OUT_DTYPE)
+                  rank, R, L, N, H, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE)
     if last_program_done(counters_ptr):
         _signal_all(peer_bases_ptr, off_signal, rank, R, epoch + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _combine_recv_kernel(signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
                          epochs_ptr, counters_ptr, status_ptr, T, N, H, R, timeout_ns, max_spins,
                          R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
                          USE_TIMER: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
-        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, HAS_ADD, BT, BLOCK_H)
+        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, R_PAD, HAS_ADD, BT, BLOCK_H)
     if last_program_done(counters_ptr):
         tl.store(epochs_ptr, epoch + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr,
                           signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
                           epochs_ptr, send_counter_ptr, recv_counter_ptr, status_ptr,
@@ -143,11 +139,11 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
                           BT: tl.constexpr, BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, USE_TIMER: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
-                  rank, R, L, N, H, K, K_PAD, BJ, BLOCK_H, OUT_DTYPE)
+                  rank, R, L, N, H, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE)
     if last_program_done(send_counter_ptr):
         _signal_all(peer_bases_ptr, off_signal, rank, R, epoch + 1)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
-        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, HAS_ADD, BT, BLOCK_H)
+        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, R_PAD, HAS_ADD, BT, BLOCK_H)
     if last_program_done(recv_counter_ptr):
         tl.store(epochs_ptr, epoch + 1)
 
@@ -185,15 +181,15 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
     """
     _check_y(cfg, y_MH, bufs.device)
     R, N = cfg.world_size, cfg.max_tokens_per_rank
-    bj = rows_per_block(N, 8)
-    _, bh = tile_shape(cfg.hidden_size, bufs.device)
+    bj, bh = tile_shape(cfg.hidden_size, bufs.device)
     args = [*_send_args(cfg, y_MH, handle, bufs), ws.epochs[EPOCH_COMBINE:], ws.counters[COUNTER_COMBINE_SEND:],
             bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.rank, R,
             cfg.experts_per_rank, N, cfg.hidden_size]
+    # the host does not know how many rows arrived: a grid the SMs hold at once, looping over the live blocks
     launch(_combine_send_kernel, work=triton.cdiv(R * N, bj), device=bufs.device, budget=num_sms or cfg.num_sms,
-           resident=False, args=args,
-           meta=dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), BJ=bj, BLOCK_H=bh,
-                     OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype]))
+           resident=True, args=args,
+           meta=dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(R), BJ=bj,
+                     BLOCK_H=bh, OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype]))
 
 
 def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
@@ -224,8 +220,8 @@ def combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: 
     _check_y(cfg, y_MH, bufs.device)
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     R, N = cfg.world_size, cfg.max_tokens_per_rank
-    bj = rows_per_block(N, 8)
     bt, bh = tile_shape(cfg.hidden_size, bufs.device)
+    bj = bt
     timeout_ns, max_spins = int(cfg.recv_timeout_s * 1e9), max(1, int(cfg.recv_timeout_s * 1000))
     v = bufs.local
     args = [*_send_args(cfg, y_MH, handle, bufs), v["combine.recv_count.signal"], v["combine.recv.x"],

@@ -34,8 +34,8 @@ import triton.language as tl
 
 from ..config import FP8_GROUP, EPConfig
 from ..errors import EPInputError
-from ._sync import last_program_done, now_ns, peer_ptr, release_signal, wait_signals  # noqa: F401
-from ._util import check_tensor, interpreted, launch, rows_per_block, tile_shape
+from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signal, wait_signals
+from ._util import check_tensor, interpreted, launch, tile_shape
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW,
                       SymmetricBuffers, Workspace, check_status)
 from .layout import DispatchLayout, compute_layout, compute_layout_ref
@@ -92,7 +92,7 @@ class DispatchHandle:
 @triton.jit
 def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
                peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R,
-               K: tl.constexpr, K_PAD: tl.constexpr, FP8: tl.constexpr,
+               K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, FP8: tl.constexpr,
                BT: tl.constexpr, BLOCK_H: tl.constexpr):
     """Store this program's share of token rows and meta rows into every destination."""
     pid = tl.program_id(0)
@@ -107,8 +107,8 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
         ords = tl.load(ordinals_ptr + toks[:, None] * K + kk[None, :], mask=mk, other=-1)
         wts = tl.load(w_ptr + toks[:, None] * stride_w + kk[None, :], mask=mk, other=0.0)
         wbits = wts.to(tl.float32).to(tl.int32, bitcast=True)
-        for d in range(R):
-            slot = tl.load(slots_ptr + toks * R + d, mask=tm, other=-1)
+        for d in tl.static_range(R_PAD):
+            slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R), other=-1)
             ok = slot >= 0
             if tl.max(ok.to(tl.int32), axis=0) > 0:
                 row = (rank * N + slot).to(tl.int64)
@@ -125,8 +125,8 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
             if FP8:
                 q, s = quantize_group(x.to(tl.float32), BLOCK_H // 128)
                 g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-            for d in range(R):
-                slot = tl.load(slots_ptr + toks * R + d, mask=tm, other=-1)
+            for d in tl.static_range(R_PAD):
+                slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R), other=-1)
                 ok = slot >= 0
                 if tl.max(ok.to(tl.int32), axis=0) > 0:
                     row = (rank * N + slot).to(tl.int64)
@@ -198,31 +198,29 @@ def _recv_layout(signal_ptr, counts_ptr, meta_ptr, target, status_ptr, scratch_p
                          mask=em[:, None] & (a_idx[None, :] < (padded - tokens)[:, None]))
             tl.debug_barrier()
             kk = tl.arange(0, K_PAD)
-            for blk in range(pid, tl.cdiv(R * N, BJ), nprog):
-                src = (blk * BJ) // N  # BJ divides N: one source per block
-                first = (blk * BJ) % N
-                n_src = tl.load(counts_ptr + src * (L + 1))
-                if first < n_src:  # a source's rows are a prefix of its region: skip empty blocks
-                    i = first + tl.arange(0, BJ)
-                    j = src * N + i
-                    mk = (i < n_src)[:, None] & (kk[None, :] < K)
-                    ids = tl.load(meta_ptr + j[:, None].to(tl.int64) * (3 * K) + kk[None, :], mask=mk, other=-1)
-                    ords = tl.load(meta_ptr + j[:, None].to(tl.int64) * (3 * K) + K + kk[None, :], mask=mk, other=0)
-                    e = ids - rank * L
-                    here = mk & (ids >= 0) & (e >= 0) & (e < L)
-                    pos = tl.load(mine + src * L + e, mask=here, other=0) + ords
-                    tl.store(row_ids_ptr + pos, j[:, None] + kk[None, :] * 0, mask=here)
+            rows, starts, nblk = live_blocks(counts_ptr, L + 1, R, BJ, R_PAD)
+            for b in range(pid, nblk, nprog):
+                src, first, n_src = locate_block(b, rows, starts, R_PAD, BJ)
+                i = first + tl.arange(0, BJ)
+                j = src * N + i
+                mk = (i < n_src)[:, None] & (kk[None, :] < K)
+                ids = tl.load(meta_ptr + j[:, None].to(tl.int64) * (3 * K) + kk[None, :], mask=mk, other=-1)
+                ords = tl.load(meta_ptr + j[:, None].to(tl.int64) * (3 * K) + K + kk[None, :], mask=mk, other=0)
+                e = ids - rank * L
+                here = mk & (ids >= 0) & (e >= 0) & (e < L)
+                pos = tl.load(mine + src * L + e, mask=here, other=0) + ords
+                tl.store(row_ids_ptr + pos, j[:, None] + kk[None, :] * 0, mask=here)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _dispatch_send_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
                           expert_counts_ptr, rank_counts_ptr, peer_bases_ptr, epochs_ptr, counters_ptr,
                           off_x, off_scales, off_meta, off_counts, off_signal, T, H, N, rank, R, L,
-                          K: tl.constexpr, K_PAD: tl.constexpr, L_PAD: tl.constexpr, FP8: tl.constexpr,
-                          BT: tl.constexpr, BLOCK_H: tl.constexpr):
+                          K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
+                          FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
-               peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R, K, K_PAD, FP8, BT, BLOCK_H)
+               peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R, K, K_PAD, R_PAD, FP8, BT, BLOCK_H)
     if last_program_done(counters_ptr):
         _publish(peer_bases_ptr, off_counts, off_signal, expert_counts_ptr, rank_counts_ptr,
                  rank, R, L, epoch + 1, L_PAD)
@@ -242,7 +240,7 @@ def _dispatch_recv_kernel(signal_ptr, counts_ptr, meta_ptr, epochs_ptr, counters
         tl.store(epochs_ptr, epoch + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
                            expert_counts_ptr, rank_counts_ptr, peer_bases_ptr, epochs_ptr, send_counter_ptr,
                            recv_counter_ptr, status_ptr, scratch_ptr,
@@ -255,7 +253,7 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
                            BJ: tl.constexpr, USE_TIMER: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
-               peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R, K, K_PAD, FP8, BT, BLOCK_H)
+               peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R, K, K_PAD, R_PAD, FP8, BT, BLOCK_H)
     if last_program_done(send_counter_ptr):
         _publish(peer_bases_ptr, off_counts, off_signal, expert_counts_ptr, rank_counts_ptr,
                  rank, R, L, epoch + 1, L_PAD)
@@ -297,8 +295,8 @@ def _send_args(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispat
     bt, bh = tile_shape(cfg.hidden_size, x_TH.device, multiple=FP8_GROUP if cfg.dispatch_dtype == "fp8" else 8)
     args = [x_TH, x_TH.stride(0), topk_ids_TK, topk_ids_TK.stride(0), topk_weights_TK, topk_weights_TK.stride(0),
             layout.token_slots_TR, layout.ordinals_TK, layout.expert_counts_E, layout.rank_counts_R]
-    meta = dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), L_PAD=triton.next_power_of_2(cfg.experts_per_rank),
-                FP8=cfg.dispatch_dtype == "fp8", BT=bt, BLOCK_H=bh)
+    meta = dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(cfg.world_size),
+                L_PAD=triton.next_power_of_2(cfg.experts_per_rank), FP8=cfg.dispatch_dtype == "fp8", BT=bt, BLOCK_H=bh)
     return args, meta
 
 
@@ -310,7 +308,7 @@ def _scratch_cap(ws: Workspace, budget: int | None) -> int:
 def _recv_meta(cfg: EPConfig) -> dict:
     return dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(cfg.world_size),
                 L_PAD=triton.next_power_of_2(cfg.experts_per_rank),
-                A_PAD=triton.next_power_of_2(cfg.expert_alignment), BJ=rows_per_block(cfg.max_tokens_per_rank, 32),
+                A_PAD=triton.next_power_of_2(cfg.expert_alignment), BJ=64 if interpreted() else 32,
                 USE_TIMER=not interpreted())
 
 

@@ -68,7 +68,7 @@ def _token_onehots(ids_ptr, stride_t, t0, T, K: tl.constexpr, L, E, R,
     return exp1h, rank1h
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _layout_count_kernel(ids_ptr, stride_t, T, block_counts_ptr, K: tl.constexpr, L, E, R,
                          BT: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
     # block_counts [B, E + R]: tokens of this block per expert, then per destination rank
@@ -95,7 +95,7 @@ def _scan_blocks_kernel(counts_ptr, base_ptr, B, C, BC: tl.constexpr, BB: tl.con
         carry += tl.sum(c, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _layout_assign_kernel(ids_ptr, stride_t, T, base_ptr, slots_ptr, ordinals_ptr, totals_ptr,
                           K: tl.constexpr, L, E, R, HAS_BASE: tl.constexpr,
                           BT: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):

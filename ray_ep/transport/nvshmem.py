@@ -123,7 +123,24 @@ class NvshmemTransport(Transport):
         torch.cuda.synchronize()
         nvc.barrier_all(torch.cuda.current_stream())
         torch.cuda.synchronize()
+        self._warm_up()
         log.info("rank %d: nvshmem ready, %.1f MiB symmetric", rank, plan.total_bytes / 2**20)
+
+    def _warm_up(self) -> None:
+        """One round of every kernel form (collective), so the first real call is no compile.
+
+        Why it matters beyond latency: loading a module can wait for kernels running on the
+        device, and a kernel spinning for a peer that is still loading would never see it."""
+        cfg = self.cfg
+        x = torch.randn(1, cfg.hidden_size, device=self.device).to(torch.bfloat16)
+        ids = torch.arange(cfg.top_k, dtype=torch.int32, device=self.device)[None, :]
+        w = torch.full((1, cfg.top_k), 1.0 / cfg.top_k, device=self.device)
+        y = torch.zeros(cfg.max_recv_rows, cfg.hidden_size, dtype=torch.bfloat16, device=self.device)
+        h = self.dispatch(x, ids, w)
+        self.combine(y, h, torch.bfloat16)
+        h = self.dispatch_recv(self.dispatch_send(x, ids, w))
+        self.combine_recv(self.combine_send(y, h), torch.bfloat16)
+        torch.cuda.synchronize()
 
     # split forms ----------------------------------------------------------------------------
     def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK):

@@ -1,0 +1,653 @@
+"""Serve the MoE transformer of :mod:`ray_ep.model` over HTTP with Ray Serve.
+
+One Serve replica (:class:`MoEServer`) owns an :class:`~ray_ep.EPCluster` (one worker per GPU,
+or CPU workers when there is none) and the :class:`~ray_ep.model.EPModel` on it. Requests
+are batched continuously: every generation step forwards all active sequences at once
+(data-parallel attention over the workers, expert-parallel MoE), and a request that arrives
+while others are generating joins at the next step.
+
+HTTP API (JSON)
+    ``POST /v1/generate`` ``{"prompt_ids": [int, ...], "max_new_tokens": int = 1,
+    "top_logits": int = 5}`` -> ``{"output_ids": [int, ...], "top_logits": [{"ids": [...],
+    "logits": [...]}, ... one per new token], "prompt_tokens": int, "latency_s": float}``.
+    Greedy decoding; ``output_ids[0]`` is the next token of the prompt. A bad request (bad
+    JSON, empty, too long, ids out of the vocabulary, unknown fields) gets a 400 with
+    ``{"error": message}``; the server keeps serving.
+
+    ``GET /health``: 200 while every worker answers, 503 once one died (the EP group cannot
+    be patched: restart the server).
+
+    ``GET /stats``: tokens/s, request latency percentiles, per-phase time of the workers
+    (dense, dispatch, experts, combine) and tokens per expert.
+
+Started by ``ray-ep serve`` or ``python examples/serve_moe.py`` (the same flags: see
+:func:`add_arguments`); ``ray.serve`` is imported only when a server is built, so ray_ep
+imports without ``ray[serve]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+
+from .errors import EPError, EPInputError
+from .model import EPModel, MoEModelConfig, init_model_weights, load_checkpoint, read_checkpoint_config
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413)
+LATENCY_WINDOW = 10_000  # requests kept for the latency percentiles
+RATE_WINDOW_S = 60.0  # span of the "recent" tokens/s figures
+
+
+class ServeOptions(BaseModel):
+    """Everything a server needs; built from flags and/or a YAML file (keys: the field names,
+    ``model:`` with :class:`MoEModelConfig` fields, ``ep:`` with extra EPConfig fields)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: MoEModelConfig = MoEModelConfig()
+    """Model sizes (a checkpoint's stored config fills the fields not given)."""
+    ep: dict[str, Any] = {}
+    """Extra EPConfig fields: backend, dispatch_dtype, combine_dtype, timeouts..."""
+    workers: int = Field(default=2, gt=0)
+    """EP ranks (one per GPU; CPU workers when use_gpu is False or there are too few GPUs)."""
+    nodes: int = Field(default=1, gt=0)
+    """Nodes the workers spread over (workers must be divisible by nodes)."""
+    use_gpu: bool | None = None
+    """None: GPUs when the cluster has one per worker."""
+    host: str = "127.0.0.1"
+    """HTTP host (0.0.0.0 to listen on every interface)."""
+    port: int = Field(default=8000, ge=0, lt=65536)
+    """HTTP port."""
+    seed: int = 0
+    """Seed of the weights when there is no checkpoint."""
+    checkpoint: str | None = None
+    """A safetensors checkpoint (layout: ray_ep.model); an absolute path visible to the replica."""
+    max_batch_size: int = Field(default=32, gt=0)
+    """Most sequences forwarded per step."""
+    batch_wait_ms: float = Field(default=2.0, ge=0)
+    """How long an idle server waits for more requests before starting a step."""
+    max_tokens_per_rank: int | None = Field(default=None, gt=0)
+    """EP buffer size per rank; None: max_seq_len * ceil(max_batch_size / workers)."""
+    max_top_logits: int = Field(default=20, gt=0)
+    """Largest top_logits a request may ask for."""
+    profile: bool = True
+    """Per-phase timing in the workers for /stats (synchronises the GPU after each phase)."""
+    app_name: str = "ray-ep"
+    """Serve application name."""
+    route_prefix: str = "/"
+    """Serve route prefix of the application."""
+    replica_cpus: float = Field(default=0.0, ge=0)
+    """CPU slots reserved by the replica (it mostly waits on the workers)."""
+    max_ongoing_requests: int = Field(default=1024, gt=0)
+    """Requests the replica accepts at once (they queue in the batcher)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServeOptions":
+        self.ep_config()  # fails early on a topology or EP field problem
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < self.model.max_seq_len:
+            raise ValueError(f"max_tokens_per_rank = {self.max_tokens_per_rank} must be >= max_seq_len = "
+                             f"{self.model.max_seq_len}, so that any one sequence fits a rank")
+        if not self.route_prefix.startswith("/"):
+            raise ValueError(f"route_prefix must start with '/', got {self.route_prefix!r}")
+        return self
+
+    def tokens_per_rank(self) -> int:
+        if self.max_tokens_per_rank is not None:
+            return self.max_tokens_per_rank
+        return self.model.max_seq_len * math.ceil(self.max_batch_size / self.workers)
+
+    def ep_config(self):
+        return self.model.ep_config(world_size=self.workers, max_tokens_per_rank=self.tokens_per_rank(),
+                                    n_nodes=self.nodes, **self.ep)
+
+
+class GenerateRequest(BaseModel):
+    """Body of ``POST /v1/generate``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompt_ids: list[StrictInt] = Field(min_length=1)
+    """Token ids of the prompt (at least one)."""
+    max_new_tokens: StrictInt = Field(default=1, ge=1)
+    """Tokens to generate greedily."""
+    top_logits: StrictInt = Field(default=5, ge=0)
+    """How many of the best logits to return per new token."""
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP ``status`` and a message for the client."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def validate_request(body: bytes, config: MoEModelConfig, max_top_logits: int) -> GenerateRequest:
+    """Parse and check a generate body; raise RequestError(400/413) with a message."""
+    if len(body) > MAX_BODY_BYTES:
+        raise RequestError(413, f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, f"body must be a JSON object, got {type(data).__name__}")
+    try:
+        req = GenerateRequest.model_validate(data)
+    except ValidationError as e:
+        msgs = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors())
+        raise RequestError(400, f"invalid request: {msgs}") from None
+    n, V = len(req.prompt_ids), config.vocab_size
+    lo, hi = min(req.prompt_ids), max(req.prompt_ids)
+    if lo < 0 or hi >= V:
+        raise RequestError(400, f"prompt_ids must lie in [0, vocab_size = {V}); found values in [{lo}, {hi}]")
+    # every new token but the last is fed back
+    if n + req.max_new_tokens - 1 > config.max_seq_len:
+        raise RequestError(400, f"prompt of {n} tokens + max_new_tokens = {req.max_new_tokens} is too long: "
+                                f"prompt + max_new_tokens - 1 must be <= max_seq_len = {config.max_seq_len}")
+    if req.top_logits > max_top_logits:
+        raise RequestError(400, f"top_logits = {req.top_logits} exceeds the server's limit of {max_top_logits}")
+    return req
+
+
+# ---- stats ---------------------------------------------------------------------------------
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of an ascending list; 0 for an empty one."""
+    if not sorted_values:
+        return 0.0
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100 * len(sorted_values)) - 1))
+    return sorted_values[k]
+
+
+class ServerStats:
+    """Request and step counters of one server (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.ok = self.client_errors = self.server_errors = 0
+        self.latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        self.prompt_tokens = self.generated_tokens = self.forward_tokens = 0
+        self.steps = 0
+        self.step_seconds = 0.0
+        self.max_sequences = 0
+        self.sequences = 0
+        self._recent: collections.deque[tuple[float, int, int]] = collections.deque()  # (t, generated, forwarded)
+
+    def request(self, status: int, latency_s: float | None = None, prompt_tokens: int = 0) -> None:
+        with self._lock:
+            if status < 400:
+                self.ok += 1
+                self.prompt_tokens += prompt_tokens
+                if latency_s is not None:
+                    self.latencies.append(latency_s)
+            elif status < 500:
+                self.client_errors += 1
+            else:
+                self.server_errors += 1
+
+    def step(self, seconds: float, sequences: int, generated: int, forwarded: int) -> None:
+        with self._lock:
+            now = time.time()
+            self.steps += 1
+            self.step_seconds += seconds
+            self.sequences += sequences
+            self.max_sequences = max(self.max_sequences, sequences)
+            self.generated_tokens += generated
+            self.forward_tokens += forwarded
+            self._recent.append((now, generated, forwarded))
+            while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+                self._recent.popleft()
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            lat = sorted(self.latencies)
+            now = time.time()
+            recent = [r for r in self._recent if r[0] >= now - RATE_WINDOW_S]
+            span = min(RATE_WINDOW_S, now - self.started)
+            busy = self.step_seconds
+            return {
+                "uptime_s": round(now - self.started, 3),
+                "requests": {"ok": self.ok, "client_errors": self.client_errors, "server_errors": self.server_errors},
+                "tokens": {"prompt": self.prompt_tokens, "generated": self.generated_tokens,
+                           "forwarded": self.forward_tokens},
+                "tokens_per_s": {
+                    # while steps run (the engine's speed) and over the last RATE_WINDOW_S (the load)
+                    "generated_busy": self.generated_tokens / busy if busy else 0.0,
+                    "forwarded_busy": self.forward_tokens / busy if busy else 0.0,
+                    "generated_recent": sum(r[1] for r in recent) / span if span > 0 else 0.0,
+                    "forwarded_recent": sum(r[2] for r in recent) / span if span > 0 else 0.0,
+                    "window_s": RATE_WINDOW_S,
+                },
+                "latency_s": {"count": len(lat), "mean": sum(lat) / len(lat) if lat else 0.0,
+                              "p50": percentile(lat, 50), "p90": percentile(lat, 90), "p99": percentile(lat, 99),
+                              "max": lat[-1] if lat else 0.0},
+                "batches": {"steps": self.steps, "step_seconds": round(busy, 6),
+                            "mean_sequences": self.sequences / self.steps if self.steps else 0.0,
+                            "max_sequences": self.max_sequences},
+            }
+
+
+def summarize_phases(per_rank: list[dict]) -> dict:
+    """Worker phase stats -> per phase the slowest rank's seconds, every rank's seconds and
+    calls; tokens per expert in global expert order (rank r holds experts r*L..(r+1)*L-1)."""
+    names = sorted({k for s in per_rank for k in s["seconds"]})
+    phases = {n: {"seconds": max(s["seconds"].get(n, 0.0) for s in per_rank),
+                  "per_rank_seconds": [s["seconds"].get(n, 0.0) for s in per_rank],
+                  "calls": max(s["calls"].get(n, 0) for s in per_rank)} for n in names}
+    experts = [c for s in per_rank for c in s["expert_tokens"]]
+    return {"phases": phases, "tokens_per_expert": experts, "tokens_per_rank": [s["tokens"] for s in per_rank]}
+
+
+# ---- continuous batching -------------------------------------------------------------------
+@dataclass
+class _Sequence:
+    tokens: list[int]
+    remaining: int
+    top_n: int
+    future: asyncio.Future
+    output: list[int] = field(default_factory=list)
+    top: list[dict] = field(default_factory=list)
+
+
+class ContinuousBatcher:
+    """Runs generation steps over every active sequence; new requests join at the next step.
+
+    ``step_fn(sequences, top_n) -> NextTokens`` runs in a thread (it blocks on the workers).
+    An idle batcher waits ``wait_s`` after the first arrival so that concurrent requests
+    share the first step. A failed step fails every active request.
+    """
+
+    def __init__(self, step_fn, max_batch_size: int, wait_s: float, stats: ServerStats):
+        self._step_fn = step_fn
+        self._max = max_batch_size
+        self._wait_s = wait_s
+        self._stats = stats
+        self._queue: collections.deque[_Sequence] = collections.deque()
+        self._active: list[_Sequence] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    async def submit(self, prompt: list[int], max_new_tokens: int, top_n: int) -> _Sequence:
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+        seq = _Sequence(list(prompt), max_new_tokens, top_n, asyncio.get_running_loop().create_future())
+        self._queue.append(seq)
+        self._wake.set()
+        return await seq.future
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._active and not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                if self._wait_s:
+                    await asyncio.sleep(self._wait_s)
+            while self._queue and len(self._active) < self._max:
+                seq = self._queue.popleft()
+                if not seq.future.done():  # a client that went away is dropped
+                    self._active.append(seq)
+            batch = [s for s in self._active if not s.future.done()]
+            self._active = batch
+            if not batch:
+                continue
+            top_n = max(1, max(s.top_n for s in batch))
+            t0 = time.perf_counter()
+            try:
+                nxt = await asyncio.to_thread(self._step_fn, [s.tokens for s in batch], top_n)
+            except Exception as e:  # noqa: BLE001 - every waiting client gets the error
+                for s in batch:
+                    if not s.future.done():
+                        s.future.set_exception(e)
+                self._active = []
+                continue
+            dt = time.perf_counter() - t0
+            self._stats.step(dt, len(batch), len(batch), sum(len(s.tokens) for s in batch))
+            ids, vals = nxt.top_ids.tolist(), nxt.top_logits.tolist()
+            for s, i_row, v_row in zip(batch, ids, vals):
+                s.output.append(i_row[0])
+                s.tokens.append(i_row[0])
+                if s.top_n:
+                    s.top.append({"ids": i_row[:s.top_n], "logits": v_row[:s.top_n]})
+                s.remaining -= 1
+                if s.remaining == 0 and not s.future.done():
+                    s.future.set_result(s)
+            self._active = [s for s in batch if s.remaining > 0]
+
+
+# ---- the deployment --------------------------------------------------------------------------
+class MoEServer:
+    """The Serve deployment (made one by :func:`build_app`): owns the EP workers and the model,
+    batches requests, answers HTTP. Plain class, so ray_ep imports without ray[serve]."""
+
+    def __init__(self, options: ServeOptions):
+        from .driver import EPCluster
+
+        self.options = options
+        cfg = options.model
+        if options.checkpoint:
+            weights = load_checkpoint(options.checkpoint, cfg)
+        else:
+            weights = init_model_weights(cfg, seed=options.seed)
+        self.cluster = EPCluster(options.ep_config(), use_gpu=options.use_gpu)
+        self.cluster.start()
+        try:
+            self.model = EPModel(self.cluster, weights).load()
+            if options.profile:
+                self.model.set_profiling(True)
+        except BaseException:
+            self.cluster.shutdown()
+            raise
+        self._lock = threading.Lock()  # one driver call at a time (steps are collective)
+        self.stats = ServerStats()
+        self.batcher = ContinuousBatcher(self._step, options.max_batch_size, options.batch_wait_ms / 1000, self.stats)
+        log.info("ray_ep.serve: %d workers (%s), model %s", self.cluster.world_size, self.cluster.backend,
+                 cfg.model_dump())
+
+    def _step(self, sequences: list[list[int]], top_n: int):
+        with self._lock:
+            return self.model.next_tokens(sequences, top_n=top_n)
+
+    def _phase_stats(self) -> list[dict]:
+        with self._lock:
+            return self.model.phase_stats()
+
+    # -- introspection through a DeploymentHandle (tests, operators) --
+    def info(self) -> dict:
+        """Workers, backend, model and EP config."""
+        return {"workers": self.cluster.world_size, "backend": self.cluster.backend,
+                "model": self.options.model.model_dump(), "ep": self.cluster.config.model_dump(),
+                "checkpoint": self.options.checkpoint, "seed": None if self.options.checkpoint else self.options.seed}
+
+    def worker_actors(self) -> list:
+        """Ray actor handles of the EP workers, in rank order."""
+        return self.cluster._need_group().actors
+
+    # -- HTTP --
+    async def __call__(self, request):
+        from starlette.responses import JSONResponse
+
+        path = request.scope.get("path", "/")
+        root = request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        path = "/" + path.strip("/")
+        routes = {"/v1/generate": ("POST", self._generate), "/health": ("GET", self._health),
+                  "/stats": ("GET", self._stats)}
+        if path not in routes:
+            self.stats.request(404)
+            return JSONResponse({"error": f"no route {path}; use POST /v1/generate, GET /health, GET /stats"},
+                                status_code=404)
+        method, handler = routes[path]
+        if request.method != method:
+            self.stats.request(405)
+            return JSONResponse({"error": f"{path} takes {method}, not {request.method}"}, status_code=405,
+                                headers={"Allow": method})
+        return await handler(request)
+
+    async def _generate(self, request):
+        from starlette.responses import JSONResponse
+
+        t0 = time.perf_counter()
+        try:
+            req = validate_request(await request.body(), self.options.model, self.options.max_top_logits)
+        except RequestError as e:
+            self.stats.request(e.status)
+            return JSONResponse({"error": e.message}, status_code=e.status)
+        try:
+            seq = await self.batcher.submit(req.prompt_ids, req.max_new_tokens, req.top_logits)
+        except EPInputError as e:  # refused by the model's own checks
+            self.stats.request(400)
+            return JSONResponse({"error": str(e)}, status_code=400)
+        except EPError as e:  # a worker died or timed out: the EP group must be rebuilt
+            self.stats.request(503)
+            log.error("ray_ep.serve: generate failed: %s", e)
+            return JSONResponse({"error": f"the EP workers failed ({type(e).__name__}: {e}); restart the server"},
+                                status_code=503)
+        except Exception as e:  # noqa: BLE001
+            self.stats.request(500)
+            log.exception("ray_ep.serve: generate failed")
+            return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
+        latency = time.perf_counter() - t0
+        self.stats.request(200, latency, len(req.prompt_ids))
+        return JSONResponse({"output_ids": seq.output, "top_logits": seq.top, "prompt_tokens": len(req.prompt_ids),
+                             "latency_s": round(latency, 6)})
+
+    async def _health(self, request):
+        from starlette.responses import JSONResponse
+
+        try:
+            ok = await asyncio.to_thread(self.cluster.health)
+        except Exception as e:  # noqa: BLE001
+            return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}, status_code=503)
+        body = {"status": "ok" if all(ok) else "unhealthy", "workers": ok, "backend": self.cluster.backend}
+        return JSONResponse(body, status_code=200 if all(ok) else 503)
+
+    async def _stats(self, request):
+        from starlette.responses import JSONResponse
+
+        out = self.stats.snapshot()
+        out.update(workers=self.cluster.world_size, backend=self.cluster.backend, profiling=self.options.profile)
+        if self.options.profile:
+            try:
+                out.update(summarize_phases(await asyncio.to_thread(self._phase_stats)))
+            except Exception as e:  # noqa: BLE001 - a dead worker: the rest of the stats still help
+                out["phases_error"] = f"{type(e).__name__}: {e}"
+        return JSONResponse(out)
+
+    def __del__(self) -> None:
+        cluster = getattr(self, "cluster", None)
+        if cluster is not None:
+            try:
+                cluster.shutdown()
+            except Exception as e:  # noqa: BLE001
+                log.warning("ray_ep.serve: shutdown: %s", e)
+
+
+def build_app(options: ServeOptions):
+    """The Serve application (one replica of :class:`MoEServer`); run it with ``serve.run``."""
+    from ray import serve
+
+    dep = serve.deployment(MoEServer, name="MoEServer", num_replicas=1,
+                           max_ongoing_requests=options.max_ongoing_requests,
+                           ray_actor_options={"num_cpus": options.replica_cpus},
+                           # a constructor that fails (bad checkpoint, too few GPUs) fails the deploy
+                           max_constructor_retry_count=1)
+    return dep.bind(options)
+
+
+# ---- command line ----------------------------------------------------------------------------
+_MODEL_FLAGS = {"vocab_size": "V: token ids 0..V-1", "hidden_size": "H", "n_layers": "decoder layers",
+                "n_heads": "attention heads", "max_seq_len": "longest prompt + generated sequence",
+                "n_experts": "E: routed experts per layer", "top_k": "K: experts per token",
+                "intermediate_size": "F: width of each SwiGLU expert", "n_shared_experts": "shared experts per layer"}
+_EP_FLAGS = ("backend", "dispatch_dtype", "combine_dtype")
+_SERVE_FLAGS = ("workers", "nodes", "host", "port", "seed", "checkpoint", "max_batch_size", "batch_wait_ms",
+                "max_tokens_per_rank")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``ray-ep serve`` and ``examples/serve_moe.py``. Unset flags fall back to the
+    YAML file (``--config``), then to a checkpoint's stored config, then to the defaults."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--config", metavar="YAML", help="YAML with ServeOptions fields (model:, ep:, workers, port...)")
+    g.add_argument("--workers", type=int, help="EP workers, one per GPU (default: the GPUs of the cluster, else 2 CPU workers)")
+    g.add_argument("--nodes", type=int, help="nodes the workers spread over (default 1)")
+    g.add_argument("--cpu", action="store_true", help="CPU workers even when GPUs are there")
+    g.add_argument("--host", help="HTTP host (default 127.0.0.1; 0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    g.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a new local Ray)")
+    g.add_argument("--max-batch-size", type=int, help="most sequences per generation step (default 32)")
+    g.add_argument("--batch-wait-ms", type=float, help="wait for more requests before a step when idle (default 2)")
+    g.add_argument("--max-tokens-per-rank", type=int,
+                   help="EP buffer per rank (default max_seq_len * ceil(max_batch_size / workers))")
+    g.add_argument("--no-profile", action="store_true", help="no per-phase timing in /stats (saves a GPU sync per phase)")
+    m = parser.add_argument_group("model")
+    m.add_argument("--checkpoint", metavar="SAFETENSORS", help="weights in the layout of ray_ep.model (default: seeded)")
+    m.add_argument("--seed", type=int, help="seed of the weights without a checkpoint (default 0)")
+    for name, text in _MODEL_FLAGS.items():
+        m.add_argument("--" + name.replace("_", "-"), type=int, dest=name,
+                       help=f"{text} (default {MoEModelConfig.model_fields[name].default})")
+    e = parser.add_argument_group("expert parallelism")
+    e.add_argument("--backend", choices=["auto", "nvshmem", "torch"], help="EP backend (default auto)")
+    e.add_argument("--dispatch-dtype", choices=["bf16", "fp8"], help="dispatch wire format (default bf16)")
+    e.add_argument("--combine-dtype", choices=["bf16", "fp32"], help="combine wire format (default bf16)")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace, gpus: int | None = None) -> ServeOptions:
+    """ServeOptions from parsed flags: defaults < checkpoint config < YAML < flags.
+    ``gpus`` (the cluster's) sets the default worker count."""
+    data: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        import yaml
+
+        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{args.config}: expected a mapping of serve options, got {type(loaded).__name__}")
+        data = loaded
+    model = dict(data.get("model") or {})
+    ep = dict(data.get("ep") or {})
+    for name in _SERVE_FLAGS:
+        v = getattr(args, name, None)
+        if v is not None:
+            data[name] = v
+    if data.get("checkpoint"):
+        data["checkpoint"] = str(Path(data["checkpoint"]).expanduser().resolve())
+        stored = read_checkpoint_config(data["checkpoint"])
+        if stored is not None:
+            model = {**stored.model_dump(), **model}
+    for name in _MODEL_FLAGS:
+        v = getattr(args, name, None)
+        if v is not None:
+            model[name] = v
+    for name in _EP_FLAGS:
+        v = getattr(args, name, None)
+        if v is not None:
+            ep[name] = v
+    if getattr(args, "cpu", False):
+        data["use_gpu"] = False
+    if getattr(args, "no_profile", False):
+        data["profile"] = False
+    if "workers" not in data:
+        data["workers"] = gpus if gpus and data.get("use_gpu") is not False else 2
+    data["model"], data["ep"] = model, ep
+    return ServeOptions(**data)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def start_server(options: ServeOptions):
+    """Start Serve's HTTP proxy on options.host:port in the connected Ray (a running Serve
+    keeps its own proxy) and deploy the app; returns its DeploymentHandle once the replica is
+    up (workers started, model loaded). Raises if the replica cannot start."""
+    from ray import serve
+
+    serve.start(http_options={"host": options.host, "port": options.port})
+    return serve.run(build_app(options), name=options.app_name, route_prefix=options.route_prefix, blocking=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ray-ep serve``: start the server, print its address once ready, serve until SIGINT or
+    SIGTERM. Returns the exit status."""
+    parser = argparse.ArgumentParser(prog="ray-ep serve", description="Serve a small MoE transformer whose MoE "
+                                     "layers run expert-parallel on ray_ep workers (Ray Serve, JSON over HTTP).")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        options = options_from_args(args)  # validated before Ray starts; workers resolved below
+    except (ValueError, OSError, ValidationError) as e:
+        print(f"ray-ep serve: {e}", file=sys.stderr)
+        return 2
+    if not _port_free(options.host, options.port):
+        print(f"ray-ep serve: {options.host}:{options.port} is in use; pick another --port", file=sys.stderr)
+        return 2
+
+    import ray
+    from ray import serve
+
+    owns_ray = False
+    if not ray.is_initialized():
+        address = args.address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, logging_level="WARNING")
+        else:
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, options.workers + 1),
+                     include_dashboard=False, logging_level="WARNING")
+            owns_ray = True
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if args.workers is None and gpus and not args.cpu and "workers" not in _yaml_keys(args):
+        options = options_from_args(args, gpus=gpus)
+    stop = threading.Event()
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    except ValueError:  # not the main thread: Ctrl-C still raises KeyboardInterrupt
+        pass
+    try:
+        t0 = time.perf_counter()
+        handle = start_server(options)
+        info = handle.info.remote().result()
+        url = f"http://{options.host}:{options.port}{options.route_prefix.rstrip('/')}"
+        print(f"ray-ep serve: ready at {url} ({info['workers']} workers, backend {info['backend']}, "
+              f"{time.perf_counter() - t0:.1f} s) - POST {url}/v1/generate, GET {url}/health, GET {url}/stats",
+              flush=True)
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    except Exception as e:  # noqa: BLE001 - a failed start: say why, exit non-zero
+        print(f"ray-ep serve: could not start: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("ray-ep serve: shutting down", flush=True)
+        try:
+            if owns_ray:
+                serve.shutdown()
+            else:
+                serve.delete(options.app_name)
+        finally:
+            if owns_ray:
+                ray.shutdown()
+    return 0
+
+
+def _yaml_keys(args: argparse.Namespace) -> set[str]:
+    if not getattr(args, "config", None):
+        return set()
+    import yaml
+
+    return set((yaml.safe_load(Path(args.config).read_text()) or {}).keys())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
