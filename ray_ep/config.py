@@ -158,10 +158,11 @@ class EPConfig(BaseModel):
             import yaml
 
             data = yaml.safe_load(text) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of EPConfig fields, got {type(data).__name__}")
-        if "ep" in data:
+        if isinstance(data, dict) and "ep" in data:
             data = data["ep"]
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of EPConfig fields (at the top or under 'ep:'), "
+                             f"got {type(data).__name__}")
         return cls.from_dict(data, **overrides)
 
 

@@ -57,6 +57,8 @@ An expert computes ``(silu(x @ Wg) * (x @ Wu)) @ Wd`` with ``[Wg | Wu] = w_gate_
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import math
@@ -79,16 +81,16 @@ STATE_KEY = "ray_ep.model"  # the entry of worker.state that holds the dense wei
 METADATA_KEY = "ray_ep.model_config"  # safetensors metadata entry with the config as JSON
 
 # |logits - reference| / max|reference| that the EP forward may show against
-# forward_reference (measured on CPU, 2 workers: 1.3e-3 at worst), by EP backend.
-# torch (CPU, and the NCCL baseline): the same torch ops in the same order, yet the last bit
-# of an fp32 GEMM depends on the thread count (workers use one thread) and the rows per call
-# (a rank packs fewer rows than the one-process reference). The MoE input is then rounded to
-# bf16 and experts round to bf16 between stages, so a 1e-7 difference can move one element
-# across a bf16 rounding step (2^-8 relative), which the residual stream carries to the
-# logits. nvshmem: the Triton grouped GEMMs also accumulate in another order than torch, so
-# expert outputs differ by about one bf16 rounding everywhere. Greedy choices can only
-# differ where the best two logits are within this tolerance (a near tie).
-LOGIT_TOLERANCE = {"torch": 1e-2, "nvshmem": 5e-2}
+# forward_reference, by the workers' device (measured on CPU, 2 workers: 1.3e-3 at worst).
+# cpu: the same torch ops as the reference (the kernels' torch twins), yet the last bit of an
+# fp32 GEMM depends on the thread count (workers use one thread) and the rows per call (a rank
+# packs fewer rows than the one-process reference). The MoE input is rounded to bf16 and the
+# experts round to bf16 between stages, so a 1e-7 difference can move one element across a
+# bf16 rounding step (2^-8 relative), which the residual stream carries to the logits.
+# cuda: the Triton grouped GEMMs (either backend) and cuBLAS accumulate in other orders than
+# the CPU reference, so expert outputs differ by about one bf16 rounding everywhere. Greedy
+# choices can only differ where the best two logits are within this tolerance (a near tie).
+LOGIT_TOLERANCE = {"cpu": 1e-2, "cuda": 5e-2}
 
 
 class MoEModelConfig(BaseModel):
@@ -276,6 +278,23 @@ def read_checkpoint_config(path: str | Path) -> MoEModelConfig | None:
     return MoEModelConfig(**json.loads(text)) if text else None
 
 
+def check_checkpoint(path: str | Path, config: MoEModelConfig) -> None:
+    """Raise EPInputError unless the checkpoint's keys and shapes fit ``config``; reads only
+    the file's header (cheap: the server checks before starting anything)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    want = checkpoint_shapes(config)
+    missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
+    if missing or extra:
+        raise EPInputError(f"checkpoint {path} does not match the model config: missing keys {missing[:8]}, "
+                           f"unexpected keys {extra[:8]} (layout: see ray_ep.model)")
+    for k, shape in want.items():
+        if shapes[k] != shape:
+            raise EPInputError(f"checkpoint {path}: {k} has shape {list(shapes[k])}, the config needs {list(shape)}")
+
+
 def load_checkpoint(path: str | Path, config: MoEModelConfig | None = None) -> ModelWeights:
     """Weights from a safetensors checkpoint. ``config`` None takes the config stored in the
     checkpoint's metadata; a given config must match every shape."""
@@ -320,7 +339,7 @@ def _attention(h_TH: torch.Tensor, wqkv: torch.Tensor, wo: torch.Tensor, lengths
                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Causal self-attention of each packed sequence on its own (rows of one sequence are
     contiguous in h_TH, in ``lengths`` order)."""
-    T, H = h_TH.shape
+    H = h_TH.shape[1]
     D = H // n_heads
     qkv = h_TH @ wqkv
     out = torch.empty_like(h_TH)
@@ -344,8 +363,7 @@ def forward_tokens(config: MoEModelConfig, dense: dict[str, torch.Tensor], rope:
     """
     lengths = [len(s) for s in sequences]
     T, H, V = sum(lengths), config.hidden_size, config.vocab_size
-    null = _NullTimer()
-    time_phase = timer or (lambda name: null)
+    time_phase = timer or (lambda name: contextlib.nullcontext())
     with time_phase("dense"):
         flat = [t for s in sequences for t in s]
         tokens = torch.tensor(flat, dtype=torch.int64, device=device)
@@ -360,17 +378,9 @@ def forward_tokens(config: MoEModelConfig, dense: dict[str, torch.Tensor], rope:
             topk_ids, topk_weights = reference.route(h @ dense[p + "router"], config.top_k)
         x = x + moe(i, h.to(torch.bfloat16), topk_ids, topk_weights).float()
     with time_phase("dense"):
-        last = torch.tensor([sum(lengths[:j + 1]) - 1 for j in range(len(lengths))], dtype=torch.int64, device=device)
+        last = torch.tensor([end - 1 for end in itertools.accumulate(lengths)], dtype=torch.int64, device=device)
         h = _rms_norm(x[last], dense["norm"], config.norm_eps)
         return (h @ dense["head"]).float() if len(lengths) else torch.zeros(0, V, device=device)
-
-
-class _NullTimer:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 # ---- the single-process reference ----------------------------------------------------------
@@ -534,10 +544,11 @@ class EPModel:
     """The model served by an :class:`~ray_ep.EPCluster`: dense weights in every worker,
     layer i's experts sharded as EP layer i (see the module docstring).
 
-    >>> with EPCluster(weights.config.ep_config(world_size=2, max_tokens_per_rank=128)) as ep:  # doctest: +SKIP
+    >>> weights = init_model_weights(MoEModelConfig(), seed=0)
+    >>> with EPCluster(weights.config.ep_config(world_size=2, max_tokens_per_rank=256)) as ep:  # doctest: +SKIP
     ...     model = EPModel(ep, weights).load()
     ...     model.generate([[1, 2, 3]], max_new_tokens=4)
-    [[17, 5, 40, 40]]
+    [[43, 44, 48, 5]]
     """
 
     def __init__(self, cluster, weights: ModelWeights):

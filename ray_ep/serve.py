@@ -41,12 +41,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from .errors import EPError, EPInputError
-from .model import EPModel, MoEModelConfig, init_model_weights, load_checkpoint, read_checkpoint_config
+from .model import (EPModel, MoEModelConfig, check_checkpoint, init_model_weights, load_checkpoint,
+                    read_checkpoint_config)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class ServeOptions(BaseModel):
     """CPU slots reserved by the replica (it mostly waits on the workers)."""
     max_ongoing_requests: int = Field(default=1024, gt=0)
     """Requests the replica accepts at once (they queue in the batcher)."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Serve's log level for the app (INFO logs every request)."""
 
     @model_validator(mode="after")
     def _check(self) -> "ServeOptions":
@@ -482,7 +485,7 @@ _MODEL_FLAGS = {"vocab_size": "V: token ids 0..V-1", "hidden_size": "H", "n_laye
                 "intermediate_size": "F: width of each SwiGLU expert", "n_shared_experts": "shared experts per layer"}
 _EP_FLAGS = ("backend", "dispatch_dtype", "combine_dtype")
 _SERVE_FLAGS = ("workers", "nodes", "host", "port", "seed", "checkpoint", "max_batch_size", "batch_wait_ms",
-                "max_tokens_per_rank")
+                "max_tokens_per_rank", "log_level")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -501,6 +504,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-tokens-per-rank", type=int,
                    help="EP buffer per rank (default max_seq_len * ceil(max_batch_size / workers))")
     g.add_argument("--no-profile", action="store_true", help="no per-phase timing in /stats (saves a GPU sync per phase)")
+    g.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="Serve log level of the app (default INFO: one line per request)")
     m = parser.add_argument_group("model")
     m.add_argument("--checkpoint", metavar="SAFETENSORS", help="weights in the layout of ray_ep.model (default: seeded)")
     m.add_argument("--seed", type=int, help="seed of the weights without a checkpoint (default 0)")
@@ -551,7 +556,10 @@ def options_from_args(args: argparse.Namespace, gpus: int | None = None) -> Serv
     if "workers" not in data:
         data["workers"] = gpus if gpus and data.get("use_gpu") is not False else 2
     data["model"], data["ep"] = model, ep
-    return ServeOptions(**data)
+    options = ServeOptions(**data)
+    if options.checkpoint:
+        check_checkpoint(options.checkpoint, options.model)
+    return options
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -571,16 +579,25 @@ def start_server(options: ServeOptions):
     from ray import serve
 
     serve.start(http_options={"host": options.host, "port": options.port})
-    return serve.run(build_app(options), name=options.app_name, route_prefix=options.route_prefix, blocking=False)
+    return serve.run(build_app(options), name=options.app_name, route_prefix=options.route_prefix, blocking=False,
+                     logging_config={"log_level": options.log_level})
+
+
+DESCRIPTION = ("Serve a small MoE transformer whose MoE layers run expert-parallel on ray_ep workers "
+               "(Ray Serve, JSON over HTTP).")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``ray-ep serve``: start the server, print its address once ready, serve until SIGINT or
     SIGTERM. Returns the exit status."""
-    parser = argparse.ArgumentParser(prog="ray-ep serve", description="Serve a small MoE transformer whose MoE "
-                                     "layers run expert-parallel on ray_ep workers (Ray Serve, JSON over HTTP).")
+    parser = argparse.ArgumentParser(prog="ray-ep serve", description=DESCRIPTION)
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    return run_from_args(parser.parse_args(argv))
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """:func:`main` after parsing: for a CLI whose ``serve`` subparser took
+    :func:`add_arguments`."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -597,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
 
     owns_ray = False
     if not ray.is_initialized():
-        address = args.address or os.environ.get("RAY_ADDRESS")
+        address = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")
         if address:
             ray.init(address=address, logging_level="WARNING")
         else:
@@ -605,12 +622,14 @@ def main(argv: list[str] | None = None) -> int:
                      include_dashboard=False, logging_level="WARNING")
             owns_ray = True
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    if args.workers is None and gpus and not args.cpu and "workers" not in _yaml_keys(args):
+    if getattr(args, "workers", None) is None and gpus and not getattr(args, "cpu", False) \
+            and "workers" not in _yaml_keys(args):
         options = options_from_args(args, gpus=gpus)
     stop = threading.Event()
+    previous = {}
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
     except ValueError:  # not the main thread: Ctrl-C still raises KeyboardInterrupt
         pass
     try:
@@ -638,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if owns_ray:
                 ray.shutdown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     return 0
 
 

@@ -42,9 +42,10 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     kk = tl.arange(0, K_PAD)
-    rows, starts, nblk = live_blocks(recv_counts_ptr, 1, R, BJ, R_PAD)
+    # rank r starts with source r + 1: at any moment the ranks write to different peers
+    rows, starts, nblk = live_blocks(recv_counts_ptr, 1, R, rank + 1, BJ, R_PAD)
     for b in range(pid, nblk, nprog):
-        src, first, n_src = locate_block(b, rows, starts, R_PAD, BJ)  # one source per block: one base pointer
+        src, first, n_src = locate_block(b, rows, starts, R, rank + 1, R_PAD, BJ)  # one source, one base pointer
         i = first + tl.arange(0, BJ)
         live = i < n_src
         j = (src * N + i).to(tl.int64)
@@ -307,7 +308,7 @@ def combine_recv_ref(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBu
         row_base = torch.arange(cfg.world_size, device=bufs.device) * N
         out = combine_sum_ref(rows_MH=v["combine.recv.x"].view(-1, cfg.hidden_size), row_base_R=row_base,
                               token_slots_TR=handle.layout.token_slots_TR, out_dtype=out_dtype, add_TH=add_TH)
-        ws.epochs[EPOCH_COMBINE] += 1
+    ws.epochs[EPOCH_COMBINE] += 1  # as the kernel: the round is over, failed or not
     if check:
         check_status(ws, bufs.rank, "combine")
     return out

@@ -198,9 +198,9 @@ def _recv_layout(signal_ptr, counts_ptr, meta_ptr, target, status_ptr, scratch_p
                          mask=em[:, None] & (a_idx[None, :] < (padded - tokens)[:, None]))
             tl.debug_barrier()
             kk = tl.arange(0, K_PAD)
-            rows, starts, nblk = live_blocks(counts_ptr, L + 1, R, BJ, R_PAD)
+            rows, starts, nblk = live_blocks(counts_ptr, L + 1, R, 0, BJ, R_PAD)
             for b in range(pid, nblk, nprog):
-                src, first, n_src = locate_block(b, rows, starts, R_PAD, BJ)
+                src, first, n_src = locate_block(b, rows, starts, R, 0, R_PAD, BJ)
                 i = first + tl.arange(0, BJ)
                 j = src * N + i
                 mk = (i < n_src)[:, None] & (kk[None, :] < K)
@@ -488,15 +488,16 @@ def dispatch_recv_ref(*, cfg: EPConfig, layout: DispatchLayout, bufs: SymmetricB
         ws.status[0] |= STATUS_TIMEOUT
         ws.status[1:][silent] = 1
     else:
-        N = cfg.max_tokens_per_rank
+        N, A = cfg.max_tokens_per_rank, cfg.expert_alignment
         counts = v["dispatch.recv_count.counts"]
-        if int(counts[:, 0].max()) > N:
+        padded = (counts[:, 1:].sum(0) + A - 1) // A * A
+        if int(counts[:, 0].max()) > N or int(padded.sum()) > cfg.max_recv_rows or int(counts.min()) < 0:
             ws.status[0] |= STATUS_OVERFLOW
         else:
             row_base = torch.arange(cfg.world_size, device=bufs.device, dtype=torch.int32) * N
             expert_major_ref(cfg=cfg, rank=bufs.rank, counts_RL1=counts,
                              meta_rows=v["dispatch.recv.meta"].view(-1, 3 * cfg.top_k), row_base_R=row_base, out=recv)
-            ws.epochs[EPOCH_DISPATCH] += 1
+    ws.epochs[EPOCH_DISPATCH] += 1  # as the kernel: the round is over, failed or not
     if check:
         check_status(ws, bufs.rank, "dispatch")
     return _handle(cfg, bufs, layout, recv, num_tokens)

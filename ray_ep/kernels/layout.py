@@ -18,7 +18,7 @@ Example (R = 2, L = 2, so experts 0-1 on rank 0 and 2-3 on rank 1)::
     expert_counts = [2, 1, 1, 1]; rank_counts = [2, 2]
 
 Ordering is deterministic (token order), so the receiver's expert-major layout matches
-:func:`ray_ep.reference.dispatch_ref` row for row.
+:func:`ray_ep.reference.dispatch` row for row.
 """
 
 from __future__ import annotations

@@ -123,7 +123,11 @@ class NvshmemTransport(Transport):
         torch.cuda.synchronize()
         nvc.barrier_all(torch.cuda.current_stream())
         torch.cuda.synchronize()
-        self._warm_up()
+        try:
+            self._warm_up()
+        except BaseException:
+            self.shutdown()  # collective free: the peers fail the same warm-up
+            raise
         log.info("rank %d: nvshmem ready, %.1f MiB symmetric", rank, plan.total_bytes / 2**20)
 
     def _warm_up(self) -> None:
@@ -132,15 +136,20 @@ class NvshmemTransport(Transport):
         Why it matters beyond latency: loading a module can wait for kernels running on the
         device, and a kernel spinning for a peer that is still loading would never see it."""
         cfg = self.cfg
-        x = torch.randn(1, cfg.hidden_size, device=self.device).to(torch.bfloat16)
-        ids = torch.arange(cfg.top_k, dtype=torch.int32, device=self.device)[None, :]
-        w = torch.full((1, cfg.top_k), 1.0 / cfg.top_k, device=self.device)
-        y = torch.zeros(cfg.max_recv_rows, cfg.hidden_size, dtype=torch.bfloat16, device=self.device)
-        h = self.dispatch(x, ids, w)
-        self.combine(y, h, torch.bfloat16)
-        h = self.dispatch_recv(self.dispatch_send(x, ids, w))
-        self.combine_recv(self.combine_send(y, h), torch.bfloat16)
-        torch.cuda.synchronize()
+        # peers may still be compiling: wait as long as start-up may take, whatever recv_timeout_s says
+        self.cfg = cfg.model_copy(update={"recv_timeout_s": max(cfg.recv_timeout_s, cfg.init_timeout_s)})
+        try:
+            x = torch.randn(1, cfg.hidden_size, device=self.device).to(torch.bfloat16)
+            ids = torch.arange(cfg.top_k, dtype=torch.int32, device=self.device)[None, :]
+            w = torch.full((1, cfg.top_k), 1.0 / cfg.top_k, device=self.device)
+            y = torch.zeros(cfg.max_recv_rows, cfg.hidden_size, dtype=torch.bfloat16, device=self.device)
+            h = self.dispatch(x, ids, w)
+            self.combine(y, h, torch.bfloat16)
+            h = self.dispatch_recv(self.dispatch_send(x, ids, w))
+            self.combine_recv(self.combine_send(y, h), torch.bfloat16)
+            torch.cuda.synchronize()
+        finally:
+            self.cfg = cfg
 
     # split forms ----------------------------------------------------------------------------
     def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK):

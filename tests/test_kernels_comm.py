@@ -1,0 +1,649 @@
+"""Dispatch and combine over a simulated world (LocalWorld: R ranks' symmetric buffers in one
+process), the Triton kernels and their torch twins, against ray_ep.reference.
+
+Every test builds all ranks' inputs from one seed, runs every rank's send, then every rank's
+receive (the split form: the interpreter runs one launch at a time, so a receive may only start
+once its peers have sent), and checks each rank against the plain-loop reference. The kernel
+world and the twin world run in lock step on the same inputs and are compared with each other.
+The fused form (send and wait in one launch) needs every rank's launch resident at once: it is
+tested only on a GPU, each rank on its own CUDA stream.
+
+Without CUDA the kernels run in Triton's CPU interpreter; with CUDA the same tests run compiled.
+Legend: T tokens on a rank, K top-k, E experts, R ranks, L = E / R, H hidden, N = N_max,
+M expert-major rows of a rank.
+"""
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+if not torch.cuda.is_available():
+    # must precede the first import of triton: @triton.jit picks the interpreter at decoration
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from ray_ep import reference  # noqa: E402
+from ray_ep.config import FP8_GROUP, EPConfig  # noqa: E402
+from ray_ep.errors import EPInputError, EPOverflowError, EPTimeoutError  # noqa: E402
+from ray_ep.kernels import combine as C  # noqa: E402
+from ray_ep.kernels import dispatch as D  # noqa: E402
+from ray_ep.kernels.buffers import check_status  # noqa: E402
+from ray_ep.kernels.experts import ExpertScratch, LocalExperts, run_experts_ref, shared_experts  # noqa: E402
+from ray_ep.kernels.layout import compute_layout_ref  # noqa: E402
+from ray_ep.transport.local import LocalWorld  # noqa: E402
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+# triton 3.6's interpreter turns 1-element arrays into Python ints through a numpy path that
+# numpy >= 1.25 deprecates (one warning per kernel-side index): noise, not a finding
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+# Float tolerances (torch.testing.assert_close: |got - want| <= atol + rtol * |want|). Values
+# are O(1): x ~ N(0, 1), experts scaled to keep activations O(1), router weights sum to 1.
+TOL = {
+    # combine alone (the same expert outputs y on both sides), fp32 on the wire and out: only
+    # the order of the fp32 sums differs (per-rank partials, then over ranks, then + add)
+    "combine-fp32": dict(atol=1e-5, rtol=1e-5),
+    # bf16 on the wire and out: each rank's partial row is rounded to bf16 (truncated by the CPU
+    # interpreter: up to 1 ulp = 2^-7 relative of the partial), up to min(K, R) partials per
+    # token, then the bf16 output rounding (again truncation in the interpreter); partials may
+    # cancel, so atol is sized on the partials (|partial| <~ 2), not the output
+    "combine-bf16": dict(atol=2**-5, rtol=2**-6),
+    # expert outputs of the world (run_experts_ref over the received rows) vs reference.experts:
+    # the same bf16 roundings, but fp32 GEMMs of other shapes/devices can tip a bf16 rounding of
+    # h, a or y by one ulp (identical on CPU)
+    "experts": dict(atol=3e-2, rtol=2**-5),
+    # the whole chain vs the reference MoE layer: the experts' slack plus the combine's
+    "chain-fp32": dict(atol=3e-2, rtol=2**-5),
+    "chain-bf16": dict(atol=5e-2, rtol=2**-5),
+}
+# fp8 dispatched rows, dequantised, vs the reference's dequantised rows. The kernel pre-rounds
+# to the e4m3 grid exactly like the twin (bytes equal, see test_kernels_quant), so the stated
+# bound is one e4m3 step: 2^-3 relative for normals, 2^-9 * scale in the subnormal range.
+FP8_STEP_REL, FP8_SUBNORMAL_STEP = 2.0**-3, 2.0**-9
+# and vs the original bf16 token: within half a step (round to nearest)
+FP8_HALF_STEP_REL, FP8_SUBNORMAL_HALF_STEP = 2.0**-4, 2.0**-10
+
+
+def make_cfg(R: int, dispatch: str = "bf16", combine: str = "bf16", align: int = 1, **overrides) -> EPConfig:
+    """The tiny preset (H 128, E 16, K 4, N_max 32) on R ranks, with one shared expert whose output
+    is the combine epilogue add_TH (as in a MoE layer)."""
+    return EPConfig.preset("tiny", gpus_per_node=R, n_shared_experts=1, dispatch_dtype=dispatch,
+                           combine_dtype=combine, expert_alignment=align, **overrides)
+
+
+def out_dtype_of(cfg: EPConfig) -> torch.dtype:
+    return torch.float32 if cfg.combine_dtype == "fp32" else torch.bfloat16
+
+
+@functools.lru_cache(maxsize=None)
+def expert_weights() -> reference.ExpertWeights:
+    # H, F, E and S are the same for every world size of the tiny preset
+    return reference.init_expert_weights(make_cfg(2), seed=0)
+
+
+# ---- the two implementations --------------------------------------------------------------
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    dispatch_send: Callable
+    dispatch_recv: Callable
+    combine_send: Callable
+    combine_recv: Callable
+
+
+KERNEL = Impl("kernel", D.dispatch_send, D.dispatch_recv, C.combine_send, C.combine_recv)
+TWIN = Impl("twin", D.dispatch_send_ref, D.dispatch_recv_ref, C.combine_send_ref, C.combine_recv_ref)
+
+
+class Sim:
+    """One implementation over a LocalWorld, with each rank's experts, scratch and receive layout
+    (all reused round after round, as a worker does)."""
+
+    def __init__(self, cfg: EPConfig, impl: Impl):
+        self.cfg, self.impl = cfg, impl
+        self.world = LocalWorld.create(cfg, device)
+        R, L = cfg.world_size, cfg.experts_per_rank
+        w = expert_weights()
+        self.experts = []
+        for r in range(R):
+            lw = w.local(r, L)
+            self.experts.append(LocalExperts(lw.w_gate_up.to(device), lw.w_down.to(device),
+                                             lw.shared_gate_up.to(device), lw.shared_down.to(device)))
+        self.scratch = [ExpertScratch.allocate(cfg, device) for _ in range(R)]
+        self.recv_out = [D.RecvLayout.allocate(cfg, device) for _ in range(R)]
+
+    def dispatch(self, inp: "Round") -> list:
+        """Split form: every rank's send, then every rank's receive. Returns the handles."""
+        cfg, R = self.cfg, self.cfg.world_size
+        layouts = [self.impl.dispatch_send(cfg=cfg, x_TH=inp.x_dev[r], topk_ids_TK=inp.ids_dev[r],
+                                           topk_weights_TK=inp.w_dev[r], bufs=self.world.bufs[r],
+                                           ws=self.world.workspaces[r])
+                   for r in range(R)]
+        return [self.impl.dispatch_recv(cfg=cfg, layout=layouts[r], bufs=self.world.bufs[r],
+                                        ws=self.world.workspaces[r], num_tokens=inp.tokens[r], out=self.recv_out[r])
+                for r in range(R)]
+
+    def run_experts(self, handles) -> list[torch.Tensor]:
+        return [run_experts_ref(handle=h, experts=e, scratch=s) for h, e, s in zip(handles, self.experts, self.scratch)]
+
+    def combine(self, handles, ys, adds) -> list[torch.Tensor]:
+        """Split form: every rank's send, then every rank's receive. Returns the outputs."""
+        cfg, R = self.cfg, self.cfg.world_size
+        for r in range(R):
+            self.impl.combine_send(cfg=cfg, y_MH=ys[r], handle=handles[r], bufs=self.world.bufs[r],
+                                   ws=self.world.workspaces[r])
+        return [self.impl.combine_recv(cfg=cfg, handle=handles[r], bufs=self.world.bufs[r],
+                                       ws=self.world.workspaces[r], out_dtype=out_dtype_of(cfg), add_TH=adds[r])
+                for r in range(R)]
+
+    def shared(self, inp: "Round") -> list[torch.Tensor]:
+        """The combine epilogue of each rank: its shared expert over its own tokens (fp32)."""
+        return [shared_experts(x, e) for x, e in zip(inp.x_dev, self.experts)]
+
+
+# ---- inputs ------------------------------------------------------------------------------
+@dataclass
+class Round:
+    """Every rank's inputs of one round, on the CPU (for the reference) and on the device; the
+    reference results are computed once per round, on first use."""
+
+    cfg: EPConfig
+    xs: list[torch.Tensor]
+    ids: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    x_dev: list[torch.Tensor]
+    ids_dev: list[torch.Tensor]
+    w_dev: list[torch.Tensor]
+
+    @property
+    def tokens(self) -> list[int]:
+        return [x.shape[0] for x in self.xs]
+
+    @functools.cached_property
+    def ref_dispatch(self) -> list[reference.RankDispatch]:
+        return reference.dispatch(self.cfg, self.xs, self.ids)
+
+    @functools.cached_property
+    def ref_ys(self) -> list[torch.Tensor]:
+        return reference.experts(self.cfg, self.ref_dispatch, expert_weights())
+
+    @functools.cached_property
+    def ref_layer(self) -> list[torch.Tensor]:
+        """The routed part of the MoE layer in fp32: reference.combine of reference.experts."""
+        return reference.combine(self.cfg, self.ref_ys, self.ref_dispatch, self.weights, self.tokens,
+                                 out_dtype=torch.float32)
+
+    @functools.cached_property
+    def ref_moe(self) -> list[torch.Tensor]:
+        return reference.moe_forward(self.cfg, self.xs, self.ids, self.weights, expert_weights())
+
+    @functools.cached_property
+    def ref_slots(self) -> list[torch.Tensor]:
+        """token_slots_TR of every source rank."""
+        R, L = self.cfg.world_size, self.cfg.experts_per_rank
+        return [compute_layout_ref(topk_ids_TK=i, world_size=R, experts_per_rank=L).token_slots_TR for i in self.ids]
+
+
+def make_round(cfg: EPConfig, tokens: list[int], seed: int, *, routing: str = "uniform", mask: float = 0.0,
+               avoid_rank: int | None = None, only_expert: int | None = None, out_of_range: float = 0.0,
+               strided: bool = False) -> Round:
+    """Seeded inputs of every rank (one generator for the world, as every worker would build them).
+
+    routing: as reference.make_inputs; avoid_rank: no token picks an expert of that rank (it
+    receives nothing); only_expert: every token's single used slot is that expert (the other
+    K - 1 slots are -1); mask / out_of_range: that fraction of slots set to -1 / to ids >= E
+    (both unused); strided: x, ids and weights are column slices of wider tensors.
+    """
+    R, E, K, L = cfg.world_size, cfg.n_experts, cfg.top_k, cfg.experts_per_rank
+    xs, ids, ws = reference.make_inputs(cfg, tokens, seed=seed, routing=routing)
+    g = torch.Generator().manual_seed(seed + 7919)
+    for r in range(R):
+        T = tokens[r]
+        if avoid_rank is not None:
+            scores = torch.rand(T, E, generator=g)
+            scores[:, avoid_rank * L:(avoid_rank + 1) * L] = -1.0
+            ids[r] = scores.topk(K, dim=-1).indices.to(torch.int32)
+        if only_expert is not None:
+            slot = torch.randint(0, K, (T,), generator=g)
+            ids[r] = torch.full((T, K), -1, dtype=torch.int32)
+            ids[r][torch.arange(T), slot] = only_expert
+        u = torch.rand(T, K, generator=g)
+        ids[r][u < mask] = -1
+        ids[r][(u >= mask) & (u < mask + out_of_range)] = E + 3
+    x_dev = [x.to(device) for x in xs]
+    ids_dev = [i.to(device) for i in ids]
+    w_dev = [w.to(device) for w in ws]
+    if strided:
+        x_dev = [_column_slice(x, 64) for x in x_dev]
+        ids_dev = [_column_slice(i, 3) for i in ids_dev]
+        w_dev = [_column_slice(w, 1) for w in w_dev]
+        assert all(not t.is_contiguous() for t in x_dev + ids_dev + w_dev if t.shape[0] > 1)
+    return Round(cfg, xs, ids, ws, x_dev, ids_dev, w_dev)
+
+
+def _column_slice(t: torch.Tensor, start: int) -> torch.Tensor:
+    """The same values as rows of a wider tensor (row stride > columns, inner dim contiguous)."""
+    wide = torch.full((t.shape[0], t.shape[1] + start + 5), 99, dtype=t.dtype, device=t.device)
+    wide[:, start:start + t.shape[1]] = t
+    return wide[:, start:start + t.shape[1]]
+
+
+def tokens_for(R: int, seed: int, most: int = 10) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, most + 1, (R,), generator=g).tolist()
+
+
+# ---- checks against the reference ----------------------------------------------------------
+def check_dispatch(cfg: EPConfig, handles, inp: Round) -> list[reference.RankDispatch]:
+    """Each rank's receive side vs reference.dispatch; returns the reference (for combine)."""
+    R, N, K, L, H = cfg.world_size, cfg.max_tokens_per_rank, cfg.top_k, cfg.experts_per_rank, cfg.hidden_size
+    ref = inp.ref_dispatch
+    slots = inp.ref_slots
+    for r, (h, rd) in enumerate(zip(handles, ref)):
+        where = f"rank {r}"
+        rl = h.recv
+        assert rl.row_offsets_L1.cpu().tolist() == rd.row_offsets.tolist(), where
+        assert rl.num_tokens_L.cpu().tolist() == rd.num_tokens.tolist(), where
+        M = int(rd.row_offsets[-1])
+        assert M <= cfg.max_recv_rows
+        row_ids = rl.row_ids_M[:M].cpu().long()
+        real = rd.src_info[:, 0] >= 0
+        assert torch.equal(row_ids >= 0, real), f"{where}: real/padding rows differ"
+        assert bool((row_ids[~real] == -1).all()), f"{where}: padding rows must have row_ids -1"
+        src, tok, k = (rd.src_info[real, i].long() for i in range(3))
+        # rows of source s sit in region s of the receive buffer, in slot order
+        assert torch.equal(row_ids[real] // N, src), where
+        want_rows = torch.tensor([s * N + int(slots[s][t, r]) for s, t in zip(src.tolist(), tok.tolist())],
+                                 dtype=torch.long)
+        assert torch.equal(row_ids[real], want_rows), where
+        # rows received from each source, and where its rows of each expert start
+        assert rl.recv_counts_R.cpu().tolist() == [int((s[:, r] >= 0).sum()) for s in slots], where
+        seg = torch.repeat_interleave(torch.arange(L), (rd.row_offsets[1:] - rd.row_offsets[:-1]).long())
+        src_all = rd.src_info[:, 0].long()
+        want_src_off = [[int(rd.row_offsets[e]) + int(((seg == e) & (src_all >= 0) & (src_all < s)).sum())
+                         for e in range(L)] for s in range(R)]
+        assert rl.src_offsets_RL.cpu().tolist() == want_src_off, where
+        # the rows themselves: expert-major row m reads x_rows[row_ids[m]]
+        gathered = h.x_rows[row_ids[real].to(h.x_rows.device)].cpu()
+        x_src = torch.stack([inp.xs[s][t] for s, t in zip(src.tolist(), tok.tolist())]) if M else \
+            torch.zeros(0, H, dtype=torch.bfloat16)
+        if cfg.dispatch_dtype == "bf16":
+            assert torch.equal(gathered, rd.x[real]), f"{where}: bf16 rows differ"
+        else:
+            scales = h.scales_rows[row_ids[real].to(h.x_rows.device)].cpu()
+            deq = reference.dequantize_fp8(gathered, scales)
+            want = rd.dequantized()[real]
+            scale_ch = rd.scales[real].repeat_interleave(FP8_GROUP, dim=1)
+            step = torch.maximum(want.abs() * FP8_STEP_REL, scale_ch * FP8_SUBNORMAL_STEP)
+            assert bool(((deq - want).abs() <= step).all()), f"{where}: fp8 rows beyond one e4m3 step"
+            half = torch.maximum(x_src.float().abs() * FP8_HALF_STEP_REL, scale_ch * FP8_SUBNORMAL_HALF_STEP)
+            assert bool(((deq - x_src.float()).abs() <= half * (1 + 2**-20)).all()), f"{where}: not its token"
+            torch.testing.assert_close(scales, rd.scales[real], atol=0.0, rtol=0.0)
+        # the meta row travels with it: the token's K ids and router weights
+        meta = h.meta_rows[row_ids[real].to(h.meta_rows.device)].cpu()
+        want_ids = torch.stack([inp.ids[s][t] for s, t in zip(src.tolist(), tok.tolist())]) if M else meta[:, :K]
+        want_w = torch.stack([inp.weights[s][t] for s, t in zip(src.tolist(), tok.tolist())]) if M else \
+            meta[:, 2 * K:].contiguous().view(torch.float32)
+        assert torch.equal(meta[:, :K], want_ids), where
+        assert torch.equal(meta[:, 2 * K:].contiguous().view(torch.float32), want_w), where
+    return ref
+
+
+def check_chain(cfg: EPConfig, inp: Round, ref: list, ys, outs, adds) -> None:
+    """Expert outputs vs reference.experts; combine vs reference.combine of the same expert
+    outputs (tight); the whole chain vs the reference MoE layer (moe_forward's formula)."""
+    R = cfg.world_size
+    ref_ys = inp.ref_ys
+    ys_cpu = []
+    for r in range(R):
+        M = int(ref[r].row_offsets[-1])
+        real = ref[r].src_info[:, 0] >= 0
+        y = ys[r][:M].cpu()
+        torch.testing.assert_close(y[real].float(), ref_ys[r][real].float(), **TOL["experts"])
+        ys_cpu.append(y)
+    kind = cfg.combine_dtype
+    od = out_dtype_of(cfg)
+    alone = reference.combine(cfg, ys_cpu, ref, inp.weights, inp.tokens, out_dtype=torch.float32)
+    layer = inp.ref_layer
+    for r in range(R):
+        out = outs[r]
+        assert out.dtype == od and tuple(out.shape) == (inp.tokens[r], cfg.hidden_size) and out.device.type == device
+        add = adds[r].float().cpu() if adds[r] is not None else 0.0
+        torch.testing.assert_close(out.float().cpu(), alone[r] + add, **TOL[f"combine-{kind}"],
+                                   msg=lambda m, r=r: f"rank {r} combine: {m}")
+        torch.testing.assert_close(out.float().cpu(), layer[r] + add, **TOL[f"chain-{kind}"],
+                                   msg=lambda m, r=r: f"rank {r} chain: {m}")
+    if od == torch.bfloat16 and all(a is not None for a in adds):
+        # the epilogue is the shared expert: the kernel chain is a whole MoE layer
+        want = inp.ref_moe
+        for r in range(R):
+            torch.testing.assert_close(outs[r].float().cpu(), want[r].float(), **TOL["chain-bf16"])
+
+
+def check_twins_agree(cfg: EPConfig, kh, th, k_outs, t_outs, k_sim: Sim, t_sim: Sim) -> None:
+    """Kernel world vs twin world on the same inputs: layouts and bytes exact, outputs close."""
+    R, N, K = cfg.world_size, cfg.max_tokens_per_rank, cfg.top_k
+    for r in range(R):
+        for name in ("token_slots_TR", "ordinals_TK", "expert_counts_E", "rank_counts_R"):
+            assert torch.equal(getattr(kh[r].layout, name), getattr(th[r].layout, name)), f"rank {r} {name}"
+        M = int(th[r].recv.row_offsets_L1[-1])
+        assert torch.equal(kh[r].recv.row_ids_M[:M], th[r].recv.row_ids_M[:M]), f"rank {r} row_ids"
+        for name in ("row_offsets_L1", "num_tokens_L", "src_offsets_RL", "recv_counts_R"):
+            assert torch.equal(getattr(kh[r].recv, name), getattr(th[r].recv, name)), f"rank {r} {name}"
+        # received bytes of every live row (the rest of a region is stale by design)
+        kv, tv = k_sim.world.bufs[r].local, t_sim.world.bufs[r].local
+        live = torch.cat([s * N + torch.arange(int(n)) for s, n in enumerate(th[r].recv.recv_counts_R.tolist())])
+        live = live.to(device)
+        for name in [n for n in kv if n.startswith("dispatch.recv.")]:
+            a, b = kv[name].flatten(0, 1)[live], tv[name].flatten(0, 1)[live]
+            if a.dtype == torch.float8_e4m3fn:
+                a, b = a.view(torch.uint8), b.view(torch.uint8)
+            assert torch.equal(a, b), f"rank {r} {name}"
+        assert torch.equal(kv["dispatch.recv_count.counts"], tv["dispatch.recv_count.counts"]), f"rank {r} counts"
+        torch.testing.assert_close(k_outs[r].float(), t_outs[r].float(), **TOL[f"combine-{cfg.combine_dtype}"])
+    for a, b in zip(k_sim.world.workspaces, t_sim.world.workspaces):
+        assert torch.equal(a.epochs, b.epochs)
+
+
+def run_round(cfg: EPConfig, sims: tuple[Sim, Sim], inp: Round, with_add: bool = True):
+    """One round on the kernel world and the twin world; every check. Returns the kernel outputs."""
+    k_sim, t_sim = sims
+    results = []
+    for sim in sims:
+        handles = sim.dispatch(inp)
+        ref = check_dispatch(cfg, handles, inp)
+        ys = sim.run_experts(handles)
+        adds = sim.shared(inp) if with_add else [None] * cfg.world_size
+        outs = sim.combine(handles, ys, adds)
+        check_chain(cfg, inp, ref, ys, outs, adds)
+        results.append((handles, outs))
+    (kh, k_outs), (th, t_outs) = results
+    check_twins_agree(cfg, kh, th, k_outs, t_outs, k_sim, t_sim)
+    return k_outs
+
+
+def sims_for(cfg: EPConfig) -> tuple[Sim, Sim]:
+    return Sim(cfg, KERNEL), Sim(cfg, TWIN)
+
+
+@pytest.fixture(params=[2, 4, 8], ids=lambda r: f"R{r}")
+def world_size(request) -> int:
+    return request.param
+
+
+# ---- rounds: every world size, both dtypes each way, alignment 1 and 4 -----------------------
+# (R, dispatch dtype, combine dtype, expert_alignment): every dtype pair and alignment at R = 2,
+# mixed at R = 4 and 8 (the interpreter is slow: R = 8 costs ~4x R = 2 per round); three
+# rounds each on the same buffers (epochs)
+ROUND_CASES = [
+    (2, "bf16", "bf16", 1), (2, "bf16", "fp32", 4), (2, "fp8", "bf16", 1), (2, "fp8", "fp32", 4),
+    (4, "bf16", "fp32", 1), (4, "fp8", "bf16", 4),
+    (8, "fp8", "fp32", 1),  # R = 8 with bf16 dispatch and alignment 4: test_largest_batch
+]
+
+
+@pytest.mark.parametrize("R,dispatch,combine,align", ROUND_CASES,
+                         ids=[f"R{r}-{d}-{c}-A{a}" for r, d, c, a in ROUND_CASES])
+def test_three_rounds(R, dispatch, combine, align):
+    cfg = make_cfg(R, dispatch, combine, align)
+    sims = sims_for(cfg)
+    routings = ["uniform", "skewed", "uniform"]
+    for rnd in range(3):
+        # fresh inputs and token counts each round; the last round masks some slots
+        inp = make_round(cfg, tokens_for(R, 100 * R + rnd), seed=1000 * R + rnd, routing=routings[rnd],
+                         mask=0.25 if rnd == 2 else 0.0)
+        run_round(cfg, sims, inp)
+        for sim in sims:
+            for ws in sim.world.workspaces:
+                assert ws.epochs.tolist() == [rnd + 1, rnd + 1]
+                assert ws.counters.tolist() == [0, 0, 0, 0] and int(ws.status.abs().sum()) == 0
+
+
+# ---- edge cases (one round; kernel and twin) ---------------------------------------------------
+def test_rank_with_zero_tokens():
+    cfg = make_cfg(4, "fp8", "bf16", 4)
+    run_round(cfg, sims_for(cfg), make_round(cfg, [0, 6, 3, 0], seed=11))
+
+
+def test_every_rank_with_zero_tokens():
+    cfg = make_cfg(2, "bf16", "fp32")
+    outs = run_round(cfg, sims_for(cfg), make_round(cfg, [0, 0], seed=12))
+    assert all(o.shape == (0, cfg.hidden_size) for o in outs)
+
+
+@pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
+def test_rank_that_receives_nothing(dispatch):
+    # every token of every rank (rank 2 included) goes to experts of the other ranks
+    cfg = make_cfg(4, dispatch, "fp32", 4)
+    sims = sims_for(cfg)
+    inp = make_round(cfg, [5, 4, 6, 3], seed=13, avoid_rank=2)
+    run_round(cfg, sims, inp)
+    for sim in sims:
+        assert sim.recv_out[2].recv_counts_R.tolist() == [0, 0, 0, 0]
+        assert sim.recv_out[2].row_offsets_L1.tolist() == [0] * (cfg.experts_per_rank + 1)
+
+
+@pytest.mark.parametrize("variant", ["only-that-expert", "first-choice"])
+def test_all_tokens_to_one_expert(variant):
+    if variant == "only-that-expert":  # one used slot per token, the other K - 1 masked
+        cfg = make_cfg(4, "bf16", "bf16", 4)
+        inp = make_round(cfg, [7, 5, 9, 2], seed=14, only_expert=6)
+    else:  # expert 0 in every token's top-k, the rest uniform
+        cfg = make_cfg(2, "fp8", "bf16", 4)
+        inp = make_round(cfg, [7, 9], seed=14, routing="one-expert")
+    sims = sims_for(cfg)
+    run_round(cfg, sims, inp)
+    if variant == "only-that-expert":  # expert 6 = rank 1, local expert 2
+        for sim in sims:
+            assert sim.recv_out[1].num_tokens_L.tolist() == [0, 0, 23, 0]
+            assert sim.recv_out[1].row_offsets_L1.tolist() == [0, 0, 0, 24, 24]
+
+
+def test_masked_and_out_of_range_ids():
+    cfg = make_cfg(2, "fp8", "fp32", 4)
+    run_round(cfg, sims_for(cfg), make_round(cfg, [9, 8], seed=15, mask=0.3, out_of_range=0.2))
+
+
+def test_non_contiguous_inputs():
+    # x, topk_ids and topk_weights are rows of wider tensors; add_TH too
+    cfg = make_cfg(2, "bf16", "bf16")
+    sims = sims_for(cfg)
+    inp = make_round(cfg, [6, 9], seed=16, strided=True)
+    results = []
+    for sim in sims:
+        handles = sim.dispatch(inp)
+        ref = check_dispatch(cfg, handles, inp)
+        ys = sim.run_experts(handles)
+        adds = [_column_slice(a.to(torch.bfloat16), 32) for a in sim.shared(inp)]
+        assert not adds[1].is_contiguous()
+        outs = sim.combine(handles, ys, adds)
+        check_chain(cfg, inp, ref, ys, outs, adds)
+        results.append((handles, outs))
+    check_twins_agree(cfg, results[0][0], results[1][0], results[0][1], results[1][1], *sims)
+
+
+@pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
+def test_no_epilogue(dispatch):
+    cfg = make_cfg(2, dispatch, "bf16")
+    run_round(cfg, sims_for(cfg), make_round(cfg, [4, 7], seed=17), with_add=False)
+
+
+def test_largest_batch():
+    # T = N_max on every rank of the largest world
+    cfg = make_cfg(8, "bf16", "bf16", 4)
+    N = cfg.max_tokens_per_rank
+    run_round(cfg, sims_for(cfg), make_round(cfg, [N] * 8, seed=18))
+
+
+def test_largest_batch_fills_one_rank():
+    # T = N_max on every rank and every token picks the K = 4 experts of rank 0: rank 0
+    # receives R * N_max * min(K, L) rows: its whole receive capacity but the padding allowance
+    cfg = make_cfg(2, "bf16", "fp32", 4)
+    R, N, K = cfg.world_size, cfg.max_tokens_per_rank, cfg.top_k
+    inp = make_round(cfg, [N] * R, seed=19)
+    for r in range(R):
+        perm = torch.stack([torch.randperm(K, generator=torch.Generator().manual_seed(t)) for t in range(N)])
+        inp.ids[r] = perm.to(torch.int32)  # experts 0..3, in varying slot order
+        inp.ids_dev[r] = inp.ids[r].to(device)
+    sims = sims_for(cfg)
+    run_round(cfg, sims, inp)
+    for sim in sims:
+        assert int(sim.recv_out[0].row_offsets_L1[-1]) == R * N * K <= cfg.max_recv_rows
+        assert sim.recv_out[1].recv_counts_R.tolist() == [0, 0]
+
+
+# ---- errors -------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", [KERNEL, TWIN], ids=lambda i: i.name)
+def test_too_many_tokens_raises_before_sending(impl):
+    cfg = make_cfg(2, "fp8", "bf16")
+    sim = Sim(cfg, impl)
+    N = cfg.max_tokens_per_rank
+    inp = make_round(cfg, [N + 1, 3], seed=20)
+    before = [b.clone() for b in sim.world.blocks]
+    with pytest.raises(EPInputError, match=f"{N + 1} tokens exceed max_tokens_per_rank = {N}"):
+        impl.dispatch_send(cfg=cfg, x_TH=inp.x_dev[0], topk_ids_TK=inp.ids_dev[0], topk_weights_TK=inp.w_dev[0],
+                           bufs=sim.world.bufs[0], ws=sim.world.workspaces[0])
+    for b0, b1 in zip(before, sim.world.blocks):
+        assert torch.equal(b0, b1), "a symmetric buffer changed"
+    for ws in sim.world.workspaces:
+        assert ws.epochs.tolist() == [0, 0] and ws.counters.tolist() == [0, 0, 0, 0]
+    # the world is still usable: a valid round right after
+    ok = make_round(cfg, [N, 3], seed=21)
+    handles = sim.dispatch(ok)
+    check_dispatch(cfg, handles, ok)
+
+
+@pytest.mark.parametrize("impl", [KERNEL, TWIN], ids=lambda i: i.name)
+def test_overflowing_source_raises(impl):
+    # rank 0's counts in rank 1's buffer claim N_max + 1 rows: more than its region holds
+    cfg = make_cfg(2, "bf16", "bf16")
+    sim = Sim(cfg, impl)
+    inp = make_round(cfg, [5, 6], seed=22)
+    layouts = [impl.dispatch_send(cfg=cfg, x_TH=inp.x_dev[r], topk_ids_TK=inp.ids_dev[r],
+                                  topk_weights_TK=inp.w_dev[r], bufs=sim.world.bufs[r], ws=sim.world.workspaces[r])
+               for r in range(2)]
+    sim.world.bufs[1].local["dispatch.recv_count.counts"][0, 0] = cfg.max_tokens_per_rank + 1
+    with pytest.raises(EPOverflowError, match="rank 1: dispatch received more rows than its buffers hold"):
+        impl.dispatch_recv(cfg=cfg, layout=layouts[1], bufs=sim.world.bufs[1], ws=sim.world.workspaces[1],
+                           num_tokens=6)
+    assert int(sim.world.workspaces[1].status.abs().sum()) == 0, "check_status clears the flags"
+    # rank 0's own receive is unaffected
+    h0 = impl.dispatch_recv(cfg=cfg, layout=layouts[0], bufs=sim.world.bufs[0], ws=sim.world.workspaces[0],
+                            num_tokens=5)
+    ref = reference.dispatch(cfg, inp.xs, inp.ids)
+    assert h0.recv.row_offsets_L1.cpu().tolist() == ref[0].row_offsets.tolist()
+
+
+def test_overflowing_expert_raises():
+    # per-expert counts that add up past the receive capacity (the kernel checks the segment
+    # total too; the twin only checks rows per source)
+    cfg = make_cfg(2, "bf16", "bf16")
+    sim = Sim(cfg, KERNEL)
+    inp = make_round(cfg, [5, 6], seed=23)
+    layouts = [D.dispatch_send(cfg=cfg, x_TH=inp.x_dev[r], topk_ids_TK=inp.ids_dev[r], topk_weights_TK=inp.w_dev[r],
+                               bufs=sim.world.bufs[r], ws=sim.world.workspaces[r]) for r in range(2)]
+    sim.world.bufs[0].local["dispatch.recv_count.counts"][1, 1] = cfg.max_recv_rows + 1
+    with pytest.raises(EPOverflowError, match="rank 0"):
+        D.dispatch_recv(cfg=cfg, layout=layouts[0], bufs=sim.world.bufs[0], ws=sim.world.workspaces[0], num_tokens=5)
+
+
+# a short recv timeout: 50 polls in the interpreter, 50 ms on a GPU
+TIMEOUT_S = 0.05
+QUICK_S = 60.0 if device == "cpu" else 5.0  # a loose bound, for a slow shared CPU; the point is: no hang
+
+
+@pytest.mark.parametrize("impl", [KERNEL, TWIN], ids=lambda i: i.name)
+def test_missing_sender_times_out_in_dispatch(world_size, impl):
+    R = world_size
+    cfg = make_cfg(R, "bf16", "bf16", recv_timeout_s=TIMEOUT_S)
+    sim = Sim(cfg, impl)
+    silent = R - 1
+    inp = make_round(cfg, tokens_for(R, 24, most=4), seed=24)
+    layouts = [None] * R
+    for r in range(R):
+        if r != silent:
+            layouts[r] = impl.dispatch_send(cfg=cfg, x_TH=inp.x_dev[r], topk_ids_TK=inp.ids_dev[r],
+                                            topk_weights_TK=inp.w_dev[r], bufs=sim.world.bufs[r],
+                                            ws=sim.world.workspaces[r])
+    for r in range(R):
+        start = time.monotonic()
+        with pytest.raises(EPTimeoutError, match=rf"rank {r}: dispatch timed out waiting for ranks \[{silent}\]"):
+            impl.dispatch_recv(cfg=cfg, layout=layouts[r], bufs=sim.world.bufs[r], ws=sim.world.workspaces[r],
+                               num_tokens=inp.tokens[r])
+        assert time.monotonic() - start < QUICK_S
+
+
+@pytest.mark.parametrize("impl", [KERNEL, TWIN], ids=lambda i: i.name)
+def test_missing_sender_times_out_in_combine(impl):
+    R = 4
+    cfg = make_cfg(R, "bf16", "fp32", recv_timeout_s=TIMEOUT_S)
+    sim = Sim(cfg, impl)
+    inp = make_round(cfg, [3, 2, 4, 1], seed=25)
+    handles = sim.dispatch(inp)
+    ys = sim.run_experts(handles)
+    silent = 1
+    for r in range(R):
+        if r != silent:
+            impl.combine_send(cfg=cfg, y_MH=ys[r], handle=handles[r], bufs=sim.world.bufs[r],
+                              ws=sim.world.workspaces[r])
+    for r in range(R):
+        start = time.monotonic()
+        with pytest.raises(EPTimeoutError, match=rf"rank {r}: combine timed out waiting for ranks \[{silent}\]"):
+            impl.combine_recv(cfg=cfg, handle=handles[r], bufs=sim.world.bufs[r], ws=sim.world.workspaces[r],
+                              out_dtype=torch.float32)
+        assert time.monotonic() - start < QUICK_S
+
+
+# ---- the fused form: all ranks at once, GPU only -------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the fused kernels wait for their peers inside one launch, so every rank's launch "
+                           "must run at the same time: separate CUDA streams give that, the interpreter "
+                           "(one launch after another) cannot")
+@pytest.mark.parametrize("dispatch,combine", [("bf16", "bf16"), ("fp8", "fp32")])
+def test_fused_on_concurrent_streams(world_size, dispatch, combine):
+    R = world_size
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    # every rank's programs resident at once (receive programs spin on their peers), with room to spare
+    per_rank = max(1, min(4, sms // (2 * R)))
+    # a generous timeout: the first launches compile while the peers' kernels already spin
+    cfg = make_cfg(R, dispatch, combine, 4, num_sms=per_rank, recv_timeout_s=60.0)
+    sim, twin = Sim(cfg, KERNEL), Sim(cfg, TWIN)
+    streams = [torch.cuda.Stream() for _ in range(R)]
+    for rnd in range(3):
+        inp = make_round(cfg, tokens_for(R, 300 + rnd, most=cfg.max_tokens_per_rank), seed=300 + rnd)
+        torch.cuda.synchronize()
+        handles = [None] * R
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                handles[r] = D.dispatch(cfg=cfg, x_TH=inp.x_dev[r], topk_ids_TK=inp.ids_dev[r],
+                                        topk_weights_TK=inp.w_dev[r], bufs=sim.world.bufs[r],
+                                        ws=sim.world.workspaces[r], out=sim.recv_out[r], check=False)
+        torch.cuda.synchronize()
+        for r in range(R):
+            check_status(sim.world.workspaces[r], r, "dispatch")
+        ref = check_dispatch(cfg, handles, inp)
+        ys = sim.run_experts(handles)
+        adds = sim.shared(inp)
+        torch.cuda.synchronize()
+        outs = [None] * R
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                outs[r] = C.combine(cfg=cfg, y_MH=ys[r], handle=handles[r], bufs=sim.world.bufs[r],
+                                    ws=sim.world.workspaces[r], out_dtype=out_dtype_of(cfg), add_TH=adds[r],
+                                    check=False)
+        torch.cuda.synchronize()
+        for r in range(R):
+            check_status(sim.world.workspaces[r], r, "combine")
+        check_chain(cfg, inp, ref, ys, outs, adds)
+        # the split twins on the same inputs agree
+        th = twin.dispatch(inp)
+        t_outs = twin.combine(th, twin.run_experts(th), twin.shared(inp))
+        check_twins_agree(cfg, handles, th, outs, t_outs, sim, twin)
+        for ws in sim.world.workspaces:
+            assert ws.epochs.tolist() == [rnd + 1, rnd + 1]

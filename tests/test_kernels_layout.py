@@ -1,0 +1,184 @@
+"""compute_layout (Triton) against its torch twin compute_layout_ref: every output exactly.
+
+Without CUDA the kernels run in Triton's CPU interpreter; with CUDA the same tests run compiled.
+Legend: T tokens, K top-k, R ranks, L local experts per rank, E = R * L.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # must precede the first import of triton: @triton.jit picks the interpreter at decoration
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from ray_ep.errors import EPInputError  # noqa: E402
+from ray_ep.kernels.layout import DispatchLayout, compute_layout, compute_layout_ref  # noqa: E402
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+# triton 3.6's interpreter turns 1-element arrays into Python ints through a numpy path that
+# numpy >= 1.25 deprecates (one warning per kernel-side index): noise, not a finding
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+FIELDS = ("token_slots_TR", "ordinals_TK", "expert_counts_E", "rank_counts_R")
+
+
+def random_ids(T, K, E, gen, masked=0.0, out_of_range=0.0):
+    """[T, K] int32: K distinct experts per token; a fraction ``masked`` of the slots set to -1
+    and a fraction ``out_of_range`` to ids outside [0, E) (both must be treated as unused)."""
+    ids = torch.rand(T, E, generator=gen).topk(K, dim=-1).indices.to(torch.int32)
+    u = torch.rand(T, K, generator=gen)
+    ids[u < masked] = -1
+    bad = torch.tensor([E, E + 7, -2, -1000, 2**30], dtype=torch.int32)
+    pick = torch.randint(0, bad.numel(), (T, K), generator=gen)
+    oor = (u >= masked) & (u < masked + out_of_range)
+    ids[oor] = bad[pick[oor]]
+    return ids
+
+
+def check_equal(ids_TK, R, L):
+    """Kernel and twin on ``ids_TK``; every field equal (dtype int32, on the ids' device)."""
+    got = compute_layout(topk_ids_TK=ids_TK, world_size=R, experts_per_rank=L)
+    want = compute_layout_ref(topk_ids_TK=ids_TK, world_size=R, experts_per_rank=L)
+    T, K = ids_TK.shape
+    shapes = {"token_slots_TR": (T, R), "ordinals_TK": (T, K), "expert_counts_E": (R * L,), "rank_counts_R": (R,)}
+    for name in FIELDS:
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.dtype == torch.int32 and w.dtype == torch.int32, name
+        assert tuple(g.shape) == shapes[name] and tuple(w.shape) == shapes[name], name
+        assert g.device == ids_TK.device, name
+        assert torch.equal(g, w), f"{name} differs:\nkernel {g.tolist()}\ntwin   {w.tolist()}"
+    return got
+
+
+def check_semantics(layout: DispatchLayout, ids_TK, R, L):
+    """A plain loop over tokens: the definition in the module docstring."""
+    ids = ids_TK.cpu().tolist()
+    E = R * L
+    per_expert, per_rank = [0] * E, [0] * R
+    slots = [[-1] * R for _ in ids]
+    ordinals = [[-1] * len(row) for row in ids]
+    for t, row in enumerate(ids):
+        ranks = set()
+        for k, e in enumerate(row):
+            if 0 <= e < E:
+                ordinals[t][k] = per_expert[e]
+                per_expert[e] += 1
+                ranks.add(e // L)
+        for d in sorted(ranks):
+            slots[t][d] = per_rank[d]
+            per_rank[d] += 1
+    assert layout.token_slots_TR.cpu().tolist() == slots
+    assert layout.ordinals_TK.cpu().tolist() == ordinals
+    assert layout.expert_counts_E.cpu().tolist() == per_expert
+    assert layout.rank_counts_R.cpu().tolist() == per_rank
+
+
+def test_docstring_example():
+    ids = torch.tensor([[0, 3], [1, 0], [2, -1]], dtype=torch.int32, device=device)
+    got = check_equal(ids, R=2, L=2)
+    assert got.token_slots_TR.tolist() == [[0, 0], [1, -1], [-1, 1]]
+    assert got.ordinals_TK.tolist() == [[0, 0], [0, 1], [0, -1]]
+    assert got.expert_counts_E.tolist() == [2, 1, 1, 1]
+    assert got.rank_counts_R.tolist() == [2, 2]
+
+
+# (R, L, K): K <= E; L = 1 puts one expert per rank, K > L spreads a token over ranks
+SHAPES = [(1, 4, 2), (2, 2, 4), (3, 5, 4), (4, 4, 1), (8, 2, 4), (8, 16, 8)]
+# T: none, one, one partial block, exactly one interpreter block (64), several blocks
+# (> 64 tokens: the count / scan / assign launches run in the interpreter too)
+TOKENS = [0, 1, 7, 64, 65, 200]
+
+
+@pytest.mark.parametrize("T", TOKENS, ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("R,L,K", SHAPES, ids=[f"R{r}-L{l}-K{k}" for r, l, k in SHAPES])
+def test_random_ids(R, L, K, T):
+    gen = torch.Generator().manual_seed(100 * R + 10 * L + K + 1000 * T)
+    ids = random_ids(T, K, R * L, gen).to(device)
+    got = check_equal(ids, R, L)
+    check_semantics(got, ids, R, L)
+    # every used slot counted once; a token goes at most once to each rank
+    assert int(got.expert_counts_E.sum()) == T * K
+    assert int(got.rank_counts_R.sum()) == int((got.token_slots_TR >= 0).sum())
+
+
+@pytest.mark.parametrize("T", [1, 9, 150], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("R,L,K", [(2, 2, 4), (3, 5, 4), (8, 2, 4)], ids=["R2-L2-K4", "R3-L5-K4", "R8-L2-K4"])
+def test_masked_and_out_of_range_ids_are_unused(R, L, K, T):
+    gen = torch.Generator().manual_seed(7 + R + T)
+    ids = random_ids(T, K, R * L, gen, masked=0.3, out_of_range=0.2).to(device)
+    got = check_equal(ids, R, L)
+    check_semantics(got, ids, R, L)
+    unused = (ids < 0) | (ids >= R * L)
+    assert bool((got.ordinals_TK[unused] == -1).all())
+    assert int(got.expert_counts_E.sum()) == int((~unused).sum())
+
+
+def test_all_slots_masked():
+    ids = torch.full((70, 4), -1, dtype=torch.int32, device=device)
+    got = check_equal(ids, R=4, L=4)
+    assert bool((got.token_slots_TR == -1).all()) and bool((got.ordinals_TK == -1).all())
+    assert got.expert_counts_E.abs().sum() == 0 and got.rank_counts_R.abs().sum() == 0
+
+
+def test_all_tokens_to_one_expert():
+    T, R, L = 130, 4, 4
+    ids = torch.full((T, 3), -1, dtype=torch.int32, device=device)
+    ids[:, 1] = 9  # expert 9 = rank 2, local expert 1
+    got = check_equal(ids, R, L)
+    assert got.ordinals_TK[:, 1].tolist() == list(range(T))
+    assert got.token_slots_TR[:, 2].tolist() == list(range(T))
+    assert got.rank_counts_R.tolist() == [0, 0, T, 0]
+
+
+def test_many_blocks_and_columns():
+    # E + R = 136 counters: several column chunks in the block scan; T = 4227 spans more than
+    # 64 blocks (64 tokens per block in the interpreter and for E = 128 on a GPU), so the
+    # scan carries across its row chunks too
+    R, L, K, T = 8, 16, 8, 4227
+    gen = torch.Generator().manual_seed(11)
+    ids = random_ids(T, K, R * L, gen, masked=0.1, out_of_range=0.05).to(device)
+    check_equal(ids, R, L)
+
+
+@pytest.mark.parametrize("T", [5, 100], ids=lambda t: f"T{t}")
+def test_non_contiguous_ids(T):
+    # a column slice of a wider tensor: row stride 7, inner dim contiguous
+    R, L, K = 4, 4, 4
+    gen = torch.Generator().manual_seed(T)
+    wide = random_ids(T, 7, R * L, gen, masked=0.1).to(device)
+    ids = wide[:, 2:2 + K]
+    assert not ids.is_contiguous() and ids.stride() == (7, 1)
+    got = check_equal(ids, R, L)
+    want = compute_layout_ref(topk_ids_TK=ids.contiguous(), world_size=R, experts_per_rank=L)
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    check_semantics(got, ids, R, L)
+
+
+@pytest.mark.parametrize(
+    "ids,match",
+    [
+        (torch.zeros(4, 2, dtype=torch.int64), "topk_ids_TK must be int32"),
+        (torch.zeros(4, 2, dtype=torch.float32), "topk_ids_TK must be int32"),
+        (torch.zeros(8, dtype=torch.int32), "topk_ids_TK must have 2 dimensions"),
+        (torch.zeros(2, 4, dtype=torch.int32).t(), "contiguous last dimension"),
+        ([[0, 1]], "topk_ids_TK must be a torch.Tensor"),
+    ],
+    ids=["int64", "float32", "1-D", "transposed", "list"],
+)
+@pytest.mark.parametrize("fn", [compute_layout, compute_layout_ref], ids=["kernel", "twin"])
+def test_bad_ids_raise(fn, ids, match):
+    if isinstance(ids, torch.Tensor):
+        ids = ids.to(device)
+    with pytest.raises(EPInputError, match=match):
+        fn(topk_ids_TK=ids, world_size=2, experts_per_rank=2)
+
+
+@pytest.mark.parametrize("fn", [compute_layout, compute_layout_ref], ids=["kernel", "twin"])
+def test_bad_topology_raises(fn):
+    ids = torch.zeros(3, 2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="must be positive"):
+        fn(topk_ids_TK=ids, world_size=0, experts_per_rank=2)
