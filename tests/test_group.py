@@ -293,6 +293,12 @@ def test_dead_rank_fails_the_group(cluster):
     with cpu_group() as group:
         assert group.health() == [True, True]
         ray.kill(group.actors[1])
+        # ray.kill is asynchronous: wait until the GCS reports the actor dead
+        actor_id = group.actors[1]._actor_id.hex()
+        deadline = time.monotonic() + 30
+        while ray._private.state.actors(actor_id=actor_id).get("State") != "DEAD":
+            assert time.monotonic() < deadline, "actor still alive 30 s after ray.kill"
+            time.sleep(0.1)
         with pytest.raises(EPWorkerError, match="rank 1") as info:
             group.execute("rank")
         assert "rebuilt" in str(info.value)

@@ -406,6 +406,14 @@ class EPWorker:
             self._ref_weights = (key, reference.init_expert_weights(cfg, seed=expert_seed))
         weights = self._ref_weights[1]
         max_abs = rel = 0.0
+        try:
+            max_abs, rel = self._check_rounds(group, backend, cfg, weights, num_tokens, seed, routing, rounds, fused)
+        finally:
+            del g.experts[CHECK_LAYER]
+        return {"max_abs": max_abs, "rel": rel}
+
+    def _check_rounds(self, group, backend, cfg, weights, num_tokens, seed, routing, rounds, fused):
+        max_abs = rel = 0.0
         for i in range(rounds):
             xs, ids, ws = reference.make_inputs(cfg, num_tokens, seed=seed + i, routing=routing)
             out = self.moe(xs[self.rank], ids[self.rank], ws[self.rank], fused=fused, backend=backend,
@@ -415,8 +423,7 @@ class EPWorker:
                 diff = (out.float().cpu() - ref.float()).abs().max().item()
                 max_abs = max(max_abs, diff)
                 rel = max(rel, diff / max(ref.float().abs().max().item(), 1e-6))
-        del g.experts[CHECK_LAYER]
-        return {"max_abs": max_abs, "rel": rel}
+        return max_abs, rel
 
     def run(self, fn, *args, **kwargs):
         """Call ``fn(worker, *args, **kwargs)`` in this actor: user code (a model's forward, a

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EPConfig
+from ..errors import EPInputError
 from .activation import swiglu, swiglu_ref
 from .dispatch import DispatchHandle
 from .grouped_gemm import grouped_gemm, grouped_gemm_ref
@@ -40,7 +41,7 @@ class LocalExperts:
         for name, shape in want.items():
             t = getattr(self, name)
             if tuple(t.shape) != shape or t.dtype != torch.bfloat16:
-                raise ValueError(f"{name} must be bf16 {shape} for this config, got {t.dtype} {tuple(t.shape)}")
+                raise EPInputError(f"{name} must be bf16 {shape} for this config, got {t.dtype} {tuple(t.shape)}")
 
 
 @dataclass(frozen=True)
