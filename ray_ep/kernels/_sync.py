@@ -56,11 +56,14 @@ def last_program_done(counter_ptr):
 
 
 @triton.jit
-def release_signal(peer_bases_ptr, rank, signal_offset_bytes, slot, value):
-    """Publish ``value`` in slot ``slot`` of rank ``rank``'s signal array (release, system scope).
-    Call after a CTA barrier that follows the stores it publishes."""
-    sig = peer_ptr(peer_bases_ptr, rank, signal_offset_bytes, tl.int64)
-    tl.atomic_xchg(sig + slot, value, sem="release", scope="sys")
+def release_signals(peer_bases_ptr, R, signal_offset_bytes, slot, value, R_PAD: tl.constexpr):
+    """Publish ``value`` in slot ``slot`` of every rank's signal array (release, system scope),
+    one lane per rank so the R releases go out together. Call after a CTA barrier that
+    follows the stores they publish."""
+    d = tl.arange(0, R_PAD)
+    base = tl.load(peer_bases_ptr + d, mask=d < R, other=0)
+    sig = (base + signal_offset_bytes).to(tl.pointer_type(tl.int64)) + slot
+    tl.atomic_xchg(sig, tl.zeros((R_PAD,), dtype=tl.int64) + value, mask=d < R, sem="release", scope="sys")
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..config import EPConfig
 from ..errors import EPInputError
-from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signal, wait_signals
+from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signals, wait_signals
 from ._util import check_tensor, interpreted, launch, tile_shape
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
@@ -74,10 +74,9 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
 
 
 @triton.jit
-def _signal_all(peer_bases_ptr, off_signal, rank, R, value):
+def _signal_all(peer_bases_ptr, off_signal, rank, R, value, R_PAD: tl.constexpr):
     tl.debug_barrier()
-    for d in range(R):
-        release_signal(peer_bases_ptr, d, off_signal, rank, value)
+    release_signals(peer_bases_ptr, R, off_signal, rank, value, R_PAD)
 
 
 @triton.jit
@@ -115,7 +114,7 @@ def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
                   rank, R, L, N, H, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE)
     if last_program_done(counters_ptr):
-        _signal_all(peer_bases_ptr, off_signal, rank, R, epoch + 1)
+        _signal_all(peer_bases_ptr, off_signal, rank, R, epoch + 1, R_PAD)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -142,7 +141,7 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
                   rank, R, L, N, H, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE)
     if last_program_done(send_counter_ptr):
-        _signal_all(peer_bases_ptr, off_signal, rank, R, epoch + 1)
+        _signal_all(peer_bases_ptr, off_signal, rank, R, epoch + 1, R_PAD)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
         _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, R_PAD, HAS_ADD, BT, BLOCK_H)
     if last_program_done(recv_counter_ptr):

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ..config import FP8_GROUP, EPConfig
 from ..errors import EPInputError
-from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signal, wait_signals
+from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signals, wait_signals
 from ._util import check_tensor, interpreted, launch, tile_shape
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW,
                       SymmetricBuffers, Workspace, check_status)
@@ -143,7 +143,7 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
 
 @triton.jit
 def _publish(peer_bases_ptr, off_counts, off_signal, expert_counts_ptr, rank_counts_ptr,
-             rank, R, L, value, L_PAD: tl.constexpr):
+             rank, R, L, value, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
     """Last program of a send: counts then one signal per destination."""
     e = tl.arange(0, L_PAD)
     for d in range(R):
@@ -151,8 +151,7 @@ def _publish(peer_bases_ptr, off_counts, off_signal, expert_counts_ptr, rank_cou
         tl.store(cnt, tl.load(rank_counts_ptr + d))
         tl.store(cnt + 1 + e, tl.load(expert_counts_ptr + d * L + e, mask=e < L), mask=e < L)
     tl.debug_barrier()  # the counts of all threads before the release
-    for d in range(R):
-        release_signal(peer_bases_ptr, d, off_signal, rank, value)
+    release_signals(peer_bases_ptr, R, off_signal, rank, value, R_PAD)
 
 
 @triton.jit
@@ -223,7 +222,7 @@ def _dispatch_send_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w,
                peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R, K, K_PAD, R_PAD, FP8, BT, BLOCK_H)
     if last_program_done(counters_ptr):
         _publish(peer_bases_ptr, off_counts, off_signal, expert_counts_ptr, rank_counts_ptr,
-                 rank, R, L, epoch + 1, L_PAD)
+                 rank, R, L, epoch + 1, L_PAD, R_PAD)
 
 
 @triton.jit
@@ -256,7 +255,7 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
                peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R, K, K_PAD, R_PAD, FP8, BT, BLOCK_H)
     if last_program_done(send_counter_ptr):
         _publish(peer_bases_ptr, off_counts, off_signal, expert_counts_ptr, rank_counts_ptr,
-                 rank, R, L, epoch + 1, L_PAD)
+                 rank, R, L, epoch + 1, L_PAD, R_PAD)
     _recv_layout(signal_ptr, counts_ptr, meta_ptr, epoch + 1, status_ptr, scratch_ptr,
                  row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                  rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins, K, K_PAD, R_PAD, L_PAD, A_PAD, BJ, USE_TIMER)
