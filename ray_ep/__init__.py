@@ -13,8 +13,20 @@ from .reference import ExpertWeights, init_expert_weights, make_inputs, route
 
 __version__ = "0.1.0"
 
+# submodules the examples use, imported on first touch (nothing heavy at `import ray_ep`)
+_LAZY_MODULES = ("bench", "model", "serve", "reference")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_MODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "BufferPlan", "CheckReport", "EPCluster", "EPClusterError", "EPConfig", "EPError", "EPInputError",
     "EPOverflowError", "EPStateError", "EPTimeoutError", "EPWorkerError", "ExpertWeights", "PRESETS",
     "init_expert_weights", "make_inputs", "plan_buffers", "route", "__version__",
+    "bench", "model", "serve", "reference",
 ]

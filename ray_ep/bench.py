@@ -11,6 +11,8 @@ splits, and the copy-engine peer copy of one GPU pair.
 from __future__ import annotations
 
 import json
+import math
+import os
 import statistics
 import subprocess
 import sys
@@ -108,8 +110,9 @@ class BenchResult:
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1])."""
     s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int, **labels: Any) -> BenchRow:
@@ -147,11 +150,13 @@ def _meta(cluster: EPCluster, iters: int) -> dict:
     import triton
 
     info = cluster.info()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=5).stdout.strip() or "unknown"
-    except Exception:
-        commit = "unknown"
+    commit = os.environ.get("RAY_EP_COMMIT", "")  # set it where .git is not shipped (Ray jobs)
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    timeout=5).stdout.strip() or "unknown"
+        except Exception:
+            commit = "unknown"
     meta = {"device": info[0].get("gpu", "cpu"), "world_size": cluster.world_size,
             "n_nodes": cluster.config.n_nodes, "gpus_per_node": cluster.config.gpus_per_node,
             "sms": info[0].get("sms"), "backend": cluster.backend, "iters": iters, "commit": commit,

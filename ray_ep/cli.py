@@ -103,9 +103,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .serve import main as serve_main
+    from .serve import run_from_args
 
-    return serve_main(args.serve_args)
+    return run_from_args(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,9 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_arguments(p)
     p.set_defaults(fn=cmd_bench)
 
-    p = sub.add_parser("serve", help="the example MoE server over HTTP (flags: ray-ep serve --help)",
-                       add_help=False)
-    p.add_argument("serve_args", nargs=argparse.REMAINDER)
+    from .serve import add_arguments as serve_arguments  # argparse only: ray.serve loads when it runs
+
+    p = sub.add_parser("serve", help="the example MoE server over HTTP (same flags as examples/serve_moe.py)")
+    serve_arguments(p)
     p.set_defaults(fn=cmd_serve)
     return parser
 

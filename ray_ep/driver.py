@@ -186,6 +186,11 @@ class EPCluster:
     def world_size(self) -> int:
         return self.config.world_size
 
+    @property
+    def actors(self) -> list:
+        """The workers' Ray actor handles in rank order (advanced: health probes, fault tests)."""
+        return list(self._need_group().actors)
+
     def info(self) -> list[dict]:
         """One dict per rank: device, GPU name and SMs, node, whether nvshmem4py is there."""
         return self._need_group().execute("device_info")

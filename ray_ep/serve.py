@@ -383,7 +383,7 @@ class MoEServer:
 
     def worker_actors(self) -> list:
         """Ray actor handles of the EP workers, in rank order."""
-        return self.cluster._need_group().actors
+        return self.cluster.actors
 
     # -- HTTP --
     async def __call__(self, request):

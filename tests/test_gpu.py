@@ -9,7 +9,10 @@ on the device); and a peer that never signals must give a timeout error naming i
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+import ray
 import torch
 
 from ray_ep import EPCluster, EPConfig, EPTimeoutError
@@ -97,6 +100,7 @@ def _silent_peer(worker, silent_rank: int, group: str):
 
 
 def test_silent_peer_times_out(cluster):
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this file
     name = "test/silent"
     cfg = _group_cfg(cluster, "tiny", "bf16", recv_timeout_s=0.5)
     cluster.call_workers("add_group", name, cfg)

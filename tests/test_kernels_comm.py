@@ -615,6 +615,15 @@ def test_fused_on_concurrent_streams(world_size, dispatch, combine):
     cfg = make_cfg(R, dispatch, combine, 4, num_sms=per_rank, recv_timeout_s=60.0)
     sim, twin = Sim(cfg, KERNEL), Sim(cfg, TWIN)
     streams = [torch.cuda.Stream() for _ in range(R)]
+    # One split round on a world of its own first, one rank after the other: it loads the
+    # modules and fills the allocator's cache. In one process, loading a module or a fresh
+    # cudaMalloc can wait for running kernels, so a rank's host could stall behind the
+    # other ranks' spinning fused kernels (one process per GPU never shares a device).
+    warm = Sim(cfg, KERNEL)
+    w_inp = make_round(cfg, tokens_for(R, 299, most=cfg.max_tokens_per_rank), seed=299)
+    wh = warm.dispatch(w_inp)
+    warm.combine(wh, warm.run_experts(wh), warm.shared(w_inp))
+    torch.cuda.synchronize()
     for rnd in range(3):
         inp = make_round(cfg, tokens_for(R, 300 + rnd, most=cfg.max_tokens_per_rank), seed=300 + rnd)
         torch.cuda.synchronize()

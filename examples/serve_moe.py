@@ -1,0 +1,24 @@
+"""Serve a small MoE transformer over HTTP: Ray Serve in front, ray_ep workers behind.
+
+The model (ray_ep.model) has an embedding, a few decoder layers whose MLP is an
+expert-parallel MoE layer run by the EP workers (one per GPU, or CPU workers), and an output
+head. Requests are batched continuously; greedy generation.
+
+    python examples/serve_moe.py --workers 2 --port 8000      # the same flags as `ray-ep serve`
+    curl -s localhost:8000/v1/generate -d '{"prompt_ids": [1, 2, 3], "max_new_tokens": 4}'
+    curl -s localhost:8000/health
+    curl -s localhost:8000/stats
+
+Sizes come from flags (--hidden-size, --n-layers, ...) or --config YAML; weights are seeded
+(--seed) or a safetensors --checkpoint in the layout documented in ray_ep.model. See
+docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ray_ep import serve
+
+if __name__ == "__main__":
+    sys.exit(serve.main(sys.argv[1:]))

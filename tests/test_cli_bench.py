@@ -1,0 +1,86 @@
+"""The command line (plan, check, info, bench) and the benchmark code, on CPU workers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ray_ep import bench, cli
+from ray_ep.config import EPConfig, plan_buffers
+
+
+def test_plan_prints_bytes_per_gpu(capsys):
+    assert cli.main(["plan", "--preset", "deepseek-v3"]) == 0
+    out = capsys.readouterr().out
+    total = plan_buffers(EPConfig.preset("deepseek-v3")).total_bytes
+    assert "total per GPU" in out and f"({total} bytes)" in out
+    assert "dispatch.recv.x" in out and "combine.recv.x" in out
+
+
+def test_plan_topology_and_yaml(tmp_path, capsys):
+    assert cli.main(["plan", "--preset", "qwen3-moe", "--topology", "2x4", "--dispatch-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "2 node(s) x 4 GPU(s)" in out and "dispatch.recv.scales" in out
+    path = tmp_path / "ep.yaml"
+    path.write_text("ep:\n  preset: tiny\n  gpus_per_node: 4\n  max_tokens_per_rank: 64\n")
+    assert cli.main(["plan", "--config", str(path)]) == 0
+    assert "N_max=64" in capsys.readouterr().out
+
+
+def test_plan_rejects_a_bad_topology():
+    with pytest.raises(Exception, match="n_experts"):
+        cli.main(["plan", "--preset", "mixtral", "--gpus", "3"])
+
+
+def test_info(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "ray_ep" in out and "presets:" in out
+
+
+def test_check_tiny_world_4(ray_session, capsys):
+    # the issue's acceptance command: `ray-ep check --preset tiny --world 4`
+    assert cli.main(["check", "--preset", "tiny", "--world", "4", "--rounds", "1", "--routing", "skewed"]) == 0
+    out = capsys.readouterr().out
+    assert "max rel error" in out and "PASS" in out
+
+
+def test_bench_cli_torch_tiny_world_2(ray_session, tmp_path, capsys):
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    rc = cli.main(["bench", "--backend", "torch", "--preset", "tiny", "--world", "2", "--iters", "3", "--warmup", "1",
+                   "--tokens", "8,32", "--routing", "uniform,skewed", "--json", str(js), "--plot", str(png), "--quiet"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "nccl-pipeline" in out and "dispatch" in out and "combine" in out
+    data = json.loads(js.read_text())
+    # 2 dtypes x 2 routings x 2 token counts x (dispatch, combine)
+    assert len(data["rows"]) == 16
+    assert data["meta"]["world_size"] == 2 and "torch" in data["meta"]["versions"]
+    for row in data["rows"]:
+        assert row["median_us"] > 0 and len(row["per_rank_median_us"]) == 2
+        assert row["check_error"] < 2e-2 and row["misplaced_rows"] == 0
+        assert row["p10_us"] <= row["p90_us"]
+    assert png.stat().st_size > 1000
+
+
+def test_aggregate_takes_the_slowest_rank():
+    cfg = EPConfig.preset("tiny", gpus_per_node=2)
+    per_rank = [
+        {"times_us": {"dispatch": [10.0, 11.0, 12.0]}, "remote_rows": 100, "received_rows": 150,
+         "check_error": 1e-3, "misplaced_rows": 0},
+        {"times_us": {"dispatch": [20.0, 21.0, 22.0]}, "remote_rows": 300, "received_rows": 350,
+         "check_error": 2e-3, "misplaced_rows": 0},
+    ]
+    row = bench.aggregate(per_rank, "dispatch", cfg, 256, preset="tiny", backend="x", dtype="bf16",
+                          routing="uniform", tokens=8, sms="-")
+    assert row.median_us == 21.0 and row.per_rank_median_us == [11.0, 21.0]
+    assert row.p10_us == 10.0 and row.p90_us == 22.0
+    # mean remote rows (200) x 256 bytes over 21 us
+    assert row.remote_gbps == pytest.approx(200 * 256 / 21.0 / 1e3)
+    assert row.check_error == 2e-3
+
+
+def test_unknown_bench_preset_is_refused():
+    with pytest.raises(ValueError, match="unknown benchmark preset"):
+        bench.run_bench(None, presets=["nope"])  # checked before the cluster is touched

@@ -1,0 +1,485 @@
+"""The MoE model (ray_ep.model) and its server (ray_ep.serve) on CPU workers.
+
+Unit tests first (config, checkpoint, packing, request validation, the reference), then one
+Serve instance on a free loopback port inside the session's Ray with two applications:
+``moe`` (seeded weights, 2 workers, bf16 combine) for the HTTP tests, and ``moe-ckpt``
+(a checkpoint this module writes, shared experts, fp32 combine, a small EP buffer that forces
+several rounds per step) which is also the one whose worker gets killed, last. Finally the
+command line (examples/serve_moe.py) in a subprocess with its own Ray.
+
+Every HTTP answer is compared step by step with ray_ep.model.forward_reference, a
+single-process forward of the same weights (tolerance: ray_ep.model.LOGIT_TOLERANCE; a
+different greedy id only at a near tie of the reference).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_ep import EPConfig, reference
+from ray_ep.errors import EPInputError
+from ray_ep.model import (LOGIT_TOLERANCE, ModelWeights, MoEModelConfig, checkpoint_shapes, forward_reference,
+                          generate_reference, init_model_weights, load_checkpoint, moe_layer_reference,
+                          pack_sequences, read_checkpoint_config, save_checkpoint)
+from ray_ep.serve import (RequestError, ServeOptions, ServerStats, add_arguments, options_from_args, percentile,
+                          summarize_phases, validate_request)
+
+REPO = Path(__file__).resolve().parents[1]
+requests = pytest.importorskip("requests")
+# Ray Serve's own config models use pydantic v1-style Field extras
+pytestmark = pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`:DeprecationWarning")
+
+# the CI-sized model: vocab 64, hidden 128, 2 layers, 16 experts top-4, 2 workers
+MODEL = MoEModelConfig(vocab_size=64, hidden_size=128, n_layers=2, n_heads=4, max_seq_len=48, n_experts=16,
+                       top_k=4, intermediate_size=64)
+CKPT_MODEL = MODEL.model_copy(update={"n_shared_experts": 1})
+WORKERS = 2
+PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [63, 0, 31, 17], list(range(20))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Oracle:
+    """The single-process forward (ray_ep.model.forward_reference) of a served model, cached
+    per sequence, and the comparison of a server's answer with it."""
+
+    def __init__(self, weights: ModelWeights, device: str = "cpu", **ref_kwargs):
+        self.weights, self.tol, self.kwargs = weights, LOGIT_TOLERANCE[device], ref_kwargs
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def logits(self, seq) -> torch.Tensor:
+        key = tuple(seq)
+        if key not in self._cache:
+            self._cache[key] = forward_reference(self.weights, [list(seq)], **self.kwargs)[0]
+        return self._cache[key]
+
+    def check(self, prompt, output_ids, top_logits=None) -> int:
+        """Greedy ids equal the reference's, and returned logits are within tolerance, step by
+        step; a different id is accepted only at a near tie of the reference (both choices are
+        greedy within the tolerance), after which the sequences diverge and the check stops.
+        Returns the steps compared."""
+        seq = list(prompt)
+        for step, got in enumerate(output_ids):
+            ref = self.logits(seq)
+            tol = self.tol * ref.abs().max().item()
+            if top_logits is not None:
+                entry = top_logits[step]
+                assert entry["ids"][0] == got
+                values = torch.tensor(entry["logits"])
+                assert (values - ref[torch.tensor(entry["ids"])]).abs().max().item() <= tol, (step, entry)
+                assert bool((values[:-1] >= values[1:]).all())
+            best = int(ref.argmax())
+            if got != best:
+                assert ref[best] - ref[got] <= tol, f"step {step}: got {got}, reference {best} (not a near tie)"
+                return step + 1
+            seq.append(got)
+        return len(output_ids)
+
+
+# ---- the model, without Ray --------------------------------------------------------------------
+def test_model_config_rules():
+    with pytest.raises(ValueError, match="n_heads"):
+        MoEModelConfig(hidden_size=128, n_heads=3)
+    with pytest.raises(ValueError, match="top_k"):
+        MoEModelConfig(n_experts=4, top_k=8)
+    with pytest.raises(ValueError, match="extra"):
+        MoEModelConfig(hidden=128)
+    ep = MODEL.ep_config(world_size=2, max_tokens_per_rank=96, combine_dtype="fp32")
+    assert (ep.hidden_size, ep.n_experts, ep.top_k, ep.experts_per_rank, ep.combine_dtype) == (128, 16, 4, 8, "fp32")
+    with pytest.raises(ValueError, match="divisible"):  # 16 experts over 3 ranks
+        MODEL.ep_config(world_size=3, max_tokens_per_rank=96)
+    with pytest.raises(ValueError, match="contradicts"):
+        MODEL.ep_config(world_size=2, max_tokens_per_rank=96, top_k=2)
+
+
+def test_serve_options_rules():
+    opts = ServeOptions(model=MODEL, workers=2, max_batch_size=5)
+    assert opts.tokens_per_rank() == 48 * 3  # max_seq_len * ceil(5 / 2)
+    with pytest.raises(ValueError, match="divisible"):
+        ServeOptions(model=MODEL, workers=3)
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        ServeOptions(model=MODEL, max_tokens_per_rank=16)
+    with pytest.raises(ValueError):
+        ServeOptions(model=MODEL, ep={"dispatch_dtype": "int4"})
+
+
+def test_options_from_flags_yaml_and_checkpoint(tmp_path):
+    import argparse
+
+    path = tmp_path / "w.safetensors"
+    save_checkpoint(init_model_weights(CKPT_MODEL, seed=3), path)
+    cfg_yaml = tmp_path / "serve.yaml"
+    cfg_yaml.write_text("model: {n_layers: 2}\nep: {combine_dtype: fp32}\nport: 9001\nmax_batch_size: 4\n")
+    parser = add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--config", str(cfg_yaml), "--checkpoint", str(path), "--port", "9002", "--cpu",
+                              "--dispatch-dtype", "bf16"])
+    opts = options_from_args(args, gpus=4)
+    assert opts.port == 9002 and opts.max_batch_size == 4 and opts.use_gpu is False and opts.workers == 2
+    assert opts.model == CKPT_MODEL  # sizes from the checkpoint's metadata
+    assert opts.ep == {"combine_dtype": "fp32", "dispatch_dtype": "bf16"}
+    assert opts.checkpoint == str(path.resolve())
+    assert options_from_args(parser.parse_args([]), gpus=4).workers == 4  # one worker per GPU
+    with pytest.raises(EPInputError, match="layers.0.router has shape"):  # refused before anything starts
+        options_from_args(parser.parse_args(["--checkpoint", str(path), "--n-experts", "8"]))
+
+
+def test_checkpoint_roundtrip_and_errors(tmp_path):
+    w = init_model_weights(CKPT_MODEL, seed=1)
+    path = tmp_path / "model.safetensors"
+    save_checkpoint(w, path)
+    assert read_checkpoint_config(path) == CKPT_MODEL
+    back = load_checkpoint(path)
+    assert set(back.state_dict()) == set(checkpoint_shapes(CKPT_MODEL))
+    for k, v in w.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    assert forward_reference(back, PROMPTS).equal(forward_reference(w, PROMPTS))
+
+    # a checkpoint without metadata (e.g. converted elsewhere) needs the config
+    from safetensors.torch import save_file
+
+    bare = tmp_path / "bare.safetensors"
+    save_file({k: v.contiguous() for k, v in w.state_dict().items()}, str(bare))
+    with pytest.raises(EPInputError, match="metadata"):
+        load_checkpoint(bare)
+    assert load_checkpoint(bare, CKPT_MODEL).dense.keys() == w.dense.keys()
+    with pytest.raises(EPInputError, match=r"layers.0.router has shape \[128, 16\], the config needs \[128, 8\]"):
+        load_checkpoint(bare, CKPT_MODEL.model_copy(update={"n_experts": 8}))
+    with pytest.raises(EPInputError, match="unexpected keys.*shared_experts"):
+        load_checkpoint(bare, MODEL)
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "missing.safetensors")
+
+
+def test_pack_sequences():
+    assert pack_sequences([5, 3, 4, 2], world_size=2, capacity=8) == [[[0, 3], [2, 1]]]
+    # more than fits in one round: the rest runs in a second
+    rounds = pack_sequences([8, 8, 8], world_size=2, capacity=8)
+    assert rounds == [[[0], [1]], [[2], []]]
+    # fewer sequences than ranks: some ranks get none (they still join every MoE layer)
+    assert pack_sequences([3], world_size=2, capacity=8) == [[[0], []]]
+    assert pack_sequences([], world_size=2, capacity=8) == []
+    lengths = [int(n) for n in torch.randint(1, 48, (40,), generator=torch.Generator().manual_seed(0))]
+    rounds = pack_sequences(lengths, world_size=4, capacity=96)
+    seen = sorted(j for r in rounds for rank in r for j in rank)
+    assert seen == list(range(40))
+    assert all(sum(lengths[j] for j in rank) <= 96 for r in rounds for rank in r)
+    with pytest.raises(EPInputError, match="exceeds"):
+        pack_sequences([9], world_size=2, capacity=8)
+
+
+def test_moe_layer_reference_is_the_reference_math():
+    """world_size=1, fp32 combine is reference.moe_forward (the oracle of the EP layer); on
+    2 ranks with a bf16 wire it differs from it by about one bf16 rounding."""
+    cfg = EPConfig(hidden_size=128, n_experts=16, top_k=4, intermediate_size=64, n_shared_experts=1,
+                   max_tokens_per_rank=64)
+    w = reference.init_expert_weights(cfg, seed=2)
+    xs, ids, ws = reference.make_inputs(cfg, 40, seed=3)
+    x = xs[0].float()  # fp32 in and out of moe_forward: no final bf16 rounding
+    want = reference.moe_forward(cfg, [x], ids, ws, w)[0]
+    got = moe_layer_reference(x, ids[0], ws[0], w, world_size=1, combine_dtype="fp32")
+    assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+    got2 = moe_layer_reference(x, ids[0], ws[0], w, world_size=2, combine_dtype="bf16")
+    assert 0 < (got2 - want).abs().max().item() <= 2**-6 * want.abs().max().item()
+    assert moe_layer_reference(x[:0], ids[0][:0], ws[0][:0], w, world_size=2).shape == (0, 128)
+
+
+def test_forward_reference_is_causal_and_batch_independent():
+    w = init_model_weights(MODEL, seed=0)
+    alone = torch.cat([forward_reference(w, [p]) for p in PROMPTS])
+    together = forward_reference(w, PROMPTS)
+    assert (alone - together).abs().max().item() <= 1e-5 * alone.abs().max().item()
+    with pytest.raises(EPInputError, match="vocab_size"):
+        forward_reference(w, [[64]])
+    with pytest.raises(EPInputError, match="max_seq_len"):
+        forward_reference(w, [[1] * 49])
+    assert len(generate_reference(w, [1, 2], 3)) == 3
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b"{}", 400, "prompt_ids"),
+    (json.dumps({"prompt_ids": []}).encode(), 400, "at least 1"),
+    (json.dumps({"prompt_ids": [1, 64]}).encode(), 400, "vocab_size"),
+    (json.dumps({"prompt_ids": [-1]}).encode(), 400, "vocab_size"),
+    (json.dumps({"prompt_ids": ["a"]}).encode(), 400, "integer"),
+    (json.dumps({"prompt_ids": [1.5]}).encode(), 400, "integer"),
+    (json.dumps({"prompt_ids": [True]}).encode(), 400, "integer"),
+    (json.dumps({"prompt_ids": [1] * 48, "max_new_tokens": 2}).encode(), 400, "too long"),
+    (json.dumps({"prompt_ids": [1], "max_new_tokens": 0}).encode(), 400, "max_new_tokens"),
+    (json.dumps({"prompt_ids": [1], "top_logits": 99}).encode(), 400, "top_logits"),
+    (json.dumps({"prompt_ids": [1], "temperature": 1.0}).encode(), 400, "temperature"),
+    (b"x" * (2 << 20), 413, "exceeds"),
+])
+def test_validate_request(body, status, message):
+    with pytest.raises(RequestError) as e:
+        validate_request(body, MODEL, max_top_logits=20)
+    assert e.value.status == status and message in e.value.message
+
+
+def test_validate_request_accepts_the_edges():
+    req = validate_request(json.dumps({"prompt_ids": [0] * 47 + [63], "max_new_tokens": 1}).encode(), MODEL, 20)
+    assert len(req.prompt_ids) == 48 and req.max_new_tokens == 1 and req.top_logits == 5
+    assert validate_request(b'{"prompt_ids": [1], "max_new_tokens": 48, "top_logits": 0}', MODEL, 20).top_logits == 0
+
+
+def test_stats_and_percentiles():
+    assert percentile([], 50) == 0.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0 and percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
+    st = ServerStats()
+    for i in range(10):
+        st.request(200, latency_s=0.1 * (i + 1), prompt_tokens=3)
+    st.request(400)
+    st.request(503)
+    st.step(0.5, sequences=4, generated=4, forwarded=20)
+    snap = st.snapshot()
+    assert snap["requests"] == {"ok": 10, "client_errors": 1, "server_errors": 1}
+    assert snap["latency_s"]["p50"] == pytest.approx(0.5) and snap["latency_s"]["p99"] == pytest.approx(1.0)
+    assert snap["tokens_per_s"]["generated_busy"] == pytest.approx(8.0)
+    per_rank = [{"seconds": {"dispatch": 1.0, "experts": 2.0}, "calls": {"dispatch": 2, "experts": 2}, "tokens": 5,
+                 "expert_tokens": [1, 2]},
+                {"seconds": {"dispatch": 3.0}, "calls": {"dispatch": 2}, "tokens": 7, "expert_tokens": [3, 4]}]
+    s = summarize_phases(per_rank)
+    assert s["phases"]["dispatch"]["seconds"] == 3.0 and s["phases"]["experts"]["per_rank_seconds"] == [2.0, 0.0]
+    assert s["tokens_per_expert"] == [1, 2, 3, 4] and s["tokens_per_rank"] == [5, 7]
+
+
+@pytest.mark.multi_gpu(2)
+@pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8"])
+def test_model_on_gpus_matches_reference(ray_session, dispatch_dtype):
+    """The EP model on 2 GPUs (nvshmem backend, Triton kernels) against the single-process
+    forward, at LOGIT_TOLERANCE['cuda']; also the NCCL baseline (torch backend on GPUs)."""
+    from ray_ep import EPCluster
+    from ray_ep.model import EPModel
+
+    weights = init_model_weights(MODEL, seed=0)
+    for backend in ("auto", "torch"):
+        cfg = MODEL.ep_config(world_size=2, max_tokens_per_rank=256, backend=backend, dispatch_dtype=dispatch_dtype)
+        with EPCluster(cfg, use_gpu=True) as ep:
+            model = EPModel(ep, weights).load()
+            nxt = model.next_tokens(PROMPTS, top_n=8)
+            generated = model.generate(PROMPTS, max_new_tokens=4)
+        oracle = Oracle(weights, device="cuda", world_size=2, combine_dtype="bf16", dispatch_dtype=dispatch_dtype)
+        for j, p in enumerate(PROMPTS):
+            top = [{"ids": nxt.top_ids[j].tolist(), "logits": nxt.top_logits[j].tolist()}]
+            oracle.check(p, nxt.next_ids[j:j + 1], top)
+            oracle.check(p, generated[j])
+
+
+# ---- the server ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def serve_port(ray_session):
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(serve_port):
+    """App ``moe`` at http://127.0.0.1:PORT/ with seeded weights; yields (url, weights, handle)."""
+    from ray import serve
+
+    from ray_ep.serve import start_server
+
+    opts = ServeOptions(model=MODEL, workers=WORKERS, use_gpu=False, seed=0, max_batch_size=16, batch_wait_ms=2,
+                        port=serve_port, host="127.0.0.1", app_name="moe", route_prefix="/", log_level="WARNING")
+    handle = start_server(opts)
+    yield f"http://127.0.0.1:{serve_port}", init_model_weights(MODEL, seed=0), handle
+    serve.delete("moe")
+
+
+def post(url: str, body, timeout: float = 60):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return requests.post(url + "/v1/generate", data=data, headers={"Content-Type": "application/json"},
+                         timeout=timeout)
+
+
+def test_health_and_info(server):
+    url, _, handle = server
+    r = requests.get(url + "/health", timeout=30)
+    assert r.status_code == 200 and r.json()["workers"] == [True, True]
+    info = handle.info.remote().result()
+    assert info["workers"] == 2 and info["backend"] == "torch" and info["model"] == MODEL.model_dump()
+
+
+def test_generate_matches_single_process_forward(server):
+    """One request at a time (a rank with no sequence joins every MoE layer with 0 tokens),
+    then all at once (sequences of different lengths split across the ranks)."""
+    url, weights, _ = server
+    oracle = Oracle(weights, world_size=WORKERS, combine_dtype="bf16")
+    for p in PROMPTS:
+        r = post(url, {"prompt_ids": p, "max_new_tokens": 4, "top_logits": 8})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert len(body["output_ids"]) == 4 and body["prompt_tokens"] == len(p) and len(body["top_logits"]) == 4
+        assert all(len(t["ids"]) == 8 for t in body["top_logits"])
+        oracle.check(p, body["output_ids"], body["top_logits"])
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        outs = list(ex.map(lambda p: post(url, {"prompt_ids": p, "max_new_tokens": 4}).json(), PROMPTS))
+    for p, o in zip(PROMPTS, outs):
+        oracle.check(p, o["output_ids"], o["top_logits"])
+
+
+def test_200_concurrent_requests(server):
+    """200 requests, 16 in flight at a time: all succeed, and every answer is the reference's
+    whichever other requests shared its batches."""
+    url, weights, _ = server
+    prompts = [[(7 * i + j) % 64 for j in range(1 + i % 9)] for i in range(10)]
+    jobs = [(prompts[i % 10], 1 + (i // 10) % 5) for i in range(200)]  # every prompt, 1..5 new tokens
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as ex:
+        replies = list(ex.map(lambda job: post(url, {"prompt_ids": job[0], "max_new_tokens": job[1]}), jobs))
+    elapsed = time.perf_counter() - t0
+    assert [r.status_code for r in replies] == [200] * 200
+    oracle = Oracle(weights, world_size=WORKERS, combine_dtype="bf16")
+    compared = 0
+    for (p, n), r in zip(jobs, replies):
+        body = r.json()
+        assert len(body["output_ids"]) == n
+        compared += oracle.check(p, body["output_ids"], body["top_logits"])
+    assert compared >= 0.9 * sum(n for _, n in jobs), "too many near ties: the check compared little"
+    stats = requests.get(url + "/stats", timeout=30).json()
+    assert stats["batches"]["max_sequences"] > 1, "concurrent requests were never batched"
+    print(f"200 requests in {elapsed:.1f} s, {stats['tokens_per_s']['generated_busy']:.0f} tokens/s busy, "
+          f"p50 {stats['latency_s']['p50'] * 1e3:.0f} ms, p99 {stats['latency_s']['p99'] * 1e3:.0f} ms")
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
+    url, weights, _ = server
+    bad = [b"{not json", b"[]", json.dumps({"prompt_ids": []}).encode(), json.dumps({"prompt_ids": [1, 99]}).encode(),
+           json.dumps({"prompt_ids": [1] * 48, "max_new_tokens": 4}).encode(), json.dumps({"prompt": [1]}).encode()]
+    for body in bad:
+        r = post(url, body)
+        assert 400 <= r.status_code < 500 and r.json()["error"], (body, r.status_code, r.text)
+    assert requests.get(url + "/v1/generate", timeout=30).status_code == 405
+    assert requests.get(url + "/nothing-here", timeout=30).status_code == 404
+    r = post(url, {"prompt_ids": [1, 2, 3], "max_new_tokens": 2})
+    assert r.status_code == 200
+    Oracle(weights, world_size=WORKERS, combine_dtype="bf16").check([1, 2, 3], r.json()["output_ids"])
+    assert requests.get(url + "/health", timeout=30).status_code == 200
+
+
+def test_stats(server):
+    url, _, _ = server
+    post(url, {"prompt_ids": [4, 5, 6], "max_new_tokens": 3})
+    s = requests.get(url + "/stats", timeout=30).json()
+    assert s["requests"]["ok"] >= 1 and s["requests"]["client_errors"] >= 0
+    assert s["tokens"]["generated"] >= 3 and s["tokens_per_s"]["generated_busy"] > 0
+    lat = s["latency_s"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+    assert {"dense", "dispatch", "experts", "combine"} <= set(s["phases"])
+    assert all(p["seconds"] > 0 and len(p["per_rank_seconds"]) == 2 for p in s["phases"].values())
+    assert len(s["tokens_per_expert"]) == MODEL.n_experts
+    # every token meets K experts in each of the n_layers MoE layers
+    assert sum(s["tokens_per_expert"]) == MODEL.top_k * sum(s["tokens_per_rank"])
+
+
+def test_checkpoint_server_then_a_dead_worker(serve_port, tmp_path_factory):
+    """A second app from a checkpoint (shared experts, fp32 combine, an EP buffer of one
+    sequence per rank so a batch takes several rounds) answers like the reference; then one
+    of its workers dies: /health says 503, generate says 503, the other app is unaffected."""
+    import ray
+    from ray import serve
+
+    from ray_ep.serve import start_server
+
+    path = tmp_path_factory.mktemp("ckpt") / "moe.safetensors"
+    weights = init_model_weights(CKPT_MODEL, seed=7)
+    save_checkpoint(weights, path)
+    opts = ServeOptions(model=CKPT_MODEL, workers=WORKERS, use_gpu=False, checkpoint=str(path),
+                        ep={"combine_dtype": "fp32"}, max_tokens_per_rank=CKPT_MODEL.max_seq_len, port=serve_port,
+                        app_name="moe-ckpt", route_prefix="/ckpt", profile=False, max_top_logits=64,
+                        log_level="WARNING")
+    handle = start_server(opts)
+    url = f"http://127.0.0.1:{serve_port}/ckpt"
+    try:
+        long_prompts = [list(range(i, i + 30)) for i in range(4)]  # 4 x 30 tokens > 2 ranks x 48
+        with ThreadPoolExecutor(4) as ex:
+            outs = list(ex.map(lambda p: post(url, {"prompt_ids": p, "max_new_tokens": 3}), long_prompts))
+        oracle = Oracle(weights, world_size=WORKERS, combine_dtype="fp32")
+        for p, r in zip(long_prompts, outs):
+            assert r.status_code == 200, r.text
+            oracle.check(p, r.json()["output_ids"], r.json()["top_logits"])
+        body = post(url, {"prompt_ids": PROMPTS[2], "top_logits": 64}).json()  # the whole vocabulary
+        oracle.check(PROMPTS[2], body["output_ids"], body["top_logits"])
+        assert sorted(body["top_logits"][0]["ids"]) == list(range(64))
+        assert requests.get(url + "/stats", timeout=30).json()["profiling"] is False
+
+        assert requests.get(url + "/health", timeout=30).status_code == 200
+        actors = handle.worker_actors.remote().result()
+        assert len(actors) == WORKERS
+        ray.kill(actors[1], no_restart=True)
+        deadline = time.monotonic() + 60
+        while (r := requests.get(url + "/health", timeout=30)).status_code != 503:
+            assert time.monotonic() < deadline, "a dead worker never showed in /health"
+            time.sleep(0.5)
+        assert r.json()["status"] == "unhealthy" and r.json()["workers"][0] is True
+        r = post(url, {"prompt_ids": [1, 2], "max_new_tokens": 1})
+        assert r.status_code == 503 and "restart" in r.json()["error"]
+        assert post(url, b"{bad").status_code == 400  # still validating
+        assert requests.get(f"http://127.0.0.1:{serve_port}/health", timeout=30).status_code == 200  # the other app
+    finally:
+        serve.delete("moe-ckpt")
+
+
+# ---- the command line --------------------------------------------------------------------------
+def test_serve_moe_example_command_line(tmp_path):
+    """`python examples/serve_moe.py --workers 2 --port P` prints its address once ready,
+    answers, and exits 0 on SIGINT (its own Ray, stopped on the way out)."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("RAY_ADDRESS", None)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "examples/serve_moe.py", "--workers", "2", "--port", str(port),
+                                 "--cpu", "--max-seq-len", "48", "--log-level", "WARNING"], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "ray-ep serve: ready at" not in log_path.read_text():
+            assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"not ready in time:\n{log_path.read_text()[-3000:]}"
+            time.sleep(0.5)
+        line = next(ln for ln in log_path.read_text().splitlines() if "ray-ep serve: ready at" in ln)
+        assert f"http://127.0.0.1:{port}" in line and "2 workers" in line
+        r = post(f"http://127.0.0.1:{port}", {"prompt_ids": [1, 2, 3], "max_new_tokens": 4})
+        assert r.status_code == 200
+        oracle = Oracle(init_model_weights(MODEL, seed=0), world_size=2, combine_dtype="bf16")
+        oracle.check([1, 2, 3], r.json()["output_ids"], r.json()["top_logits"])
+        assert requests.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0, log_path.read_text()[-3000:]
+
+
+def test_command_line_refuses_a_bad_config(tmp_path):
+    from ray_ep.serve import main
+
+    assert main(["--workers", "3", "--cpu"]) == 2  # 16 experts do not split over 3 workers
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert main(["--port", str(s.getsockname()[1]), "--cpu"]) == 2  # the port is taken
