@@ -264,8 +264,9 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
 
 
 # ---- launchers -----------------------------------------------------------------------------
-def _check_send_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
+def check_send_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
                        topk_weights_TK: torch.Tensor, device: torch.device) -> None:
+    """Raise EPInputError unless the tensors are what a dispatch of ``cfg`` takes (no sync)."""
     want = (torch.bfloat16,) if cfg.dispatch_dtype == "bf16" else (torch.bfloat16, torch.float16, torch.float32)
     check_tensor("x_TH", x_TH, dims=2, dtypes=want, device=device, inner_contiguous=True)
     T = x_TH.shape[0]
@@ -338,7 +339,7 @@ def dispatch_send(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tenso
     send-side layout, which :func:`dispatch_recv` and the combine need.
     """
     dev = bufs.device
-    _check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, dev)
+    check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, dev)
     if layout is None:
         layout = compute_layout(topk_ids_TK=topk_ids_TK, world_size=cfg.world_size,
                                 experts_per_rank=cfg.experts_per_rank)
@@ -380,7 +381,7 @@ def dispatch(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, to
              check: bool = True) -> DispatchHandle:
     """Fused dispatch: send and receive in one launch (GPU; every rank must launch it at once)."""
     dev = bufs.device
-    _check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, dev)
+    check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, dev)
     layout = compute_layout(topk_ids_TK=topk_ids_TK, world_size=cfg.world_size, experts_per_rank=cfg.experts_per_rank)
     recv = out if out is not None else RecvLayout.allocate(cfg, dev)
     args, send_meta = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, bufs)
@@ -448,7 +449,7 @@ def dispatch_send_ref(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.T
                       bufs: SymmetricBuffers, ws: Workspace, layout: DispatchLayout | None = None,
                       num_sms: int | None = None) -> DispatchLayout:
     """Torch twin of :func:`dispatch_send`: the same stores through the peers' typed views."""
-    _check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, bufs.device)
+    check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, bufs.device)
     from .quant import quantize_fp8_ref
 
     if layout is None:

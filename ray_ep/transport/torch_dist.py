@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..config import FP8_GROUP, EPConfig
 from ..errors import EPInputError
 from ..kernels.combine import combine_partials_ref, combine_sum_ref
-from ..kernels.dispatch import DispatchHandle, _check_send_inputs, expert_major_ref, pack_meta_ref
+from ..kernels.dispatch import DispatchHandle, check_send_inputs, expert_major_ref, pack_meta_ref
 from ..kernels.layout import DispatchLayout, compute_layout, compute_layout_ref
 from ..kernels.quant import quantize_fp8, quantize_fp8_ref
 from .base import Transport
@@ -84,7 +84,7 @@ class TorchTransport(Transport):
 
     def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK) -> _PendingDispatch:
         cfg, R, L, H = self.cfg, self.cfg.world_size, self.cfg.experts_per_rank, self.cfg.hidden_size
-        _check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, self.device)
+        check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, self.device)
         layout = self._layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L)
         # counts for each destination: [rows, rows per local expert of that destination]
         send_counts = torch.cat([layout.rank_counts_R[:, None], layout.expert_counts_E.view(R, L)], dim=1)
