@@ -241,6 +241,13 @@ def moe_forward(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.Tens
 
 
 # ---- inputs for tests and benchmarks -------------------------------------------------------
+def expert_popularity(n_experts: int, generator: torch.Generator, zipf_s: float = 1.2) -> torch.Tensor:
+    """Zipf(s) popularity of the experts over a seeded permutation (fp64, sums to anything):
+    the skewed routing of the tests and benchmarks."""
+    pop = 1.0 / torch.arange(1, n_experts + 1, dtype=torch.float64) ** zipf_s
+    return pop[torch.randperm(n_experts, generator=generator)]
+
+
 def make_inputs(cfg: EPConfig, num_tokens: list[int] | int, seed: int = 0, routing: str = "uniform",
                 zipf_s: float = 1.2, dtype: torch.dtype = torch.bfloat16
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -255,8 +262,7 @@ def make_inputs(cfg: EPConfig, num_tokens: list[int] | int, seed: int = 0, routi
     counts = [num_tokens] * R if isinstance(num_tokens, int) else list(num_tokens)
     g = torch.Generator().manual_seed(seed)
     if routing == "skewed":
-        popularity = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** zipf_s
-        popularity = popularity[torch.randperm(E, generator=g)]
+        popularity = expert_popularity(E, g, zipf_s)
     xs, ids, ws = [], [], []
     for T in counts:
         xs.append(torch.randn(T, H, generator=g).to(dtype))

@@ -20,7 +20,7 @@ import torch
 
 from ..config import FP8_GROUP, EPConfig
 from ..kernels.dispatch import DispatchHandle
-from ..reference import dequantize_fp8, quantize_fp8
+from ..reference import dequantize_fp8, expert_popularity, quantize_fp8
 from ..transport.base import Transport
 
 SLEEP_CYCLES = 4_000_000  # ~2 ms at H100/H200 clocks: the host queues a whole phase meanwhile
@@ -49,10 +49,8 @@ def rank_inputs(cfg: EPConfig, num_tokens: int, rank: int, seed: int, routing: s
     x = torch.randn(num_tokens, H, generator=g, device=device).to(torch.bfloat16)
     if routing == "uniform":
         scores = torch.rand(num_tokens, E, generator=g, device=device)
-    elif routing == "skewed":  # Zipf(1.2) popularity over a seeded permutation, the same on every rank
-        gp = torch.Generator().manual_seed(seed)
-        pop = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
-        pop = pop[torch.randperm(E, generator=gp)].log().to(device)
+    elif routing == "skewed":  # the same popularity on every rank (seeded on the host)
+        pop = expert_popularity(E, torch.Generator().manual_seed(seed)).log().to(device)
         u = torch.rand(num_tokens, E, generator=g, device=device, dtype=torch.float64).clamp_min(1e-12)
         scores = pop[None, :] - torch.log(-torch.log(u))
     else:
@@ -137,8 +135,7 @@ def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, 
                seed: int, iters: int, warmup: int, fused: bool, sets: int = 3) -> RankTimes:
     """Dispatch and combine (identity experts between them), each timed on its own."""
     inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device) for i in range(sets)]
-    if hasattr(t, "check"):
-        t.check = True
+    t.check = True
     # correctness once, before timing
     x, ids, w = inputs[0]
     h = t.dispatch(x, ids, w)
@@ -148,8 +145,7 @@ def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, 
     err = ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item() if num_tokens else 0.0
     remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
     received = int(h.recv.recv_counts_R.sum())
-    if hasattr(t, "check"):
-        t.check = False  # no host sync inside the timed region; status checked at the end
+    t.check = False  # no host sync inside the timed region; status checked at the end
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"dispatch": [], "combine": []}
     for i in range(warmup + iters):
@@ -167,8 +163,7 @@ def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, 
         if i >= warmup:
             times["dispatch"].append(d_us)
             times["combine"].append(c_us)
-    if hasattr(t, "check_status"):
-        t.check_status()
+    t.check_status()
     return RankTimes(rank, times, remote, received, err, bad)
 
 
@@ -178,8 +173,7 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
     from ..kernels.experts import run_experts, shared_experts
 
     inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device) for i in range(sets)]
-    if hasattr(t, "check"):
-        t.check = False
+    t.check = False
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"layer": []}
     remote = received = 0
@@ -195,8 +189,7 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
         if i == 0:
             remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
             received = int(h.recv.recv_counts_R.sum())
-    if hasattr(t, "check_status"):
-        t.check_status()
+    t.check_status()
     return RankTimes(rank, times, remote, received, 0.0, 0)
 
 

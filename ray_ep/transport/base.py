@@ -25,6 +25,12 @@ class Transport(abc.ABC):
         self.cfg = cfg
         self.rank = rank
         self.device = device
+        # receive kernels that may flag errors on the device: True checks (a host sync) after
+        # each receive; False defers it to check_status() (hot loops, CUDA graphs)
+        self.check = True
+
+    def check_status(self) -> None:
+        """Raise the error a deferred receive flagged (transports that fail on the host: no-op)."""
 
     @abc.abstractmethod
     def dispatch_send(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> Any:

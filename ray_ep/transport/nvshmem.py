@@ -119,7 +119,6 @@ class NvshmemTransport(Transport):
         self.bufs = SymmetricBuffers(plan, rank, views[rank], views, bases)
         self.ws = Workspace.allocate(cfg, device)
         self._recv_out = RecvLayout.allocate(cfg, device)
-        self.check = True
         torch.cuda.synchronize()
         nvc.barrier_all(torch.cuda.current_stream())
         torch.cuda.synchronize()
