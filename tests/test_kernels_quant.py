@@ -236,9 +236,17 @@ def _bad_quant_inputs():
 @pytest.mark.parametrize("fn", [quantize_fp8, quantize_fp8_ref], ids=["kernel", "twin"])
 @pytest.mark.parametrize("name,args,match", _bad_quant_inputs(), ids=[c[0] for c in _bad_quant_inputs()])
 def test_quantize_bad_inputs(fn, name, args, match):
-    args = {k: v.to(device) for k, v in args.items()}
+    args = {k: on_device(v) for k, v in args.items()}
     with pytest.raises(EPInputError, match=match):
         fn(**args)
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the test device with its strides kept (``.to`` would make a strided view
+    contiguous on a GPU, and the strided-input checks would have nothing to catch)."""
+    if t.device == torch.device(device):
+        return t
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device).copy_(t)
 
 
 def _bad_dequant_inputs():
@@ -258,7 +266,7 @@ def _bad_dequant_inputs():
 @pytest.mark.parametrize("fn", [dequantize_fp8, dequantize_fp8_ref], ids=["kernel", "twin"])
 @pytest.mark.parametrize("name,args,match", _bad_dequant_inputs(), ids=[c[0] for c in _bad_dequant_inputs()])
 def test_dequantize_bad_inputs(fn, name, args, match):
-    args = {k: v.to(device) for k, v in args.items()}
+    args = {k: on_device(v) for k, v in args.items()}
     with pytest.raises(EPInputError, match=match):
         fn(**args)
     assert issubclass(EPInputError, ValueError)
