@@ -73,6 +73,13 @@ class EPConfig(BaseModel):
         """R = n_nodes * gpus_per_node."""
         return self.n_nodes * self.gpus_per_node
 
+    def node_of(self, rank: int) -> int:
+        """The node of a rank (ranks are node-major); the kernels reach ranks of their own node
+        by stores over NVLink and the others by NVSHMEM puts."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}")
+        return rank // self.gpus_per_node
+
     @property
     def experts_per_rank(self) -> int:
         """L = E / R."""
@@ -248,9 +255,10 @@ def plan_buffers(cfg: EPConfig) -> BufferPlan:
     R, N, H, K, L = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden_size, cfg.top_k, cfg.experts_per_rank
     fp8 = cfg.dispatch_dtype == "fp8"
     specs: list[tuple[str, tuple[int, ...], str]] = [
-        # dispatch.send: staging of quantised rows for NVSHMEM puts to other nodes
+        # *.send: staging of the rows (and counts) put to ranks on other nodes (NVSHMEM puts)
         ("dispatch.send.x", (N, H), cfg.dispatch_dtype),
         ("dispatch.send.meta", (N, 3 * K), "int32"),
+        ("dispatch.send.counts", (R, L + 1), "int32"),
         ("dispatch.recv.x", (R, N, H), cfg.dispatch_dtype),
         ("dispatch.recv.meta", (R, N, 3 * K), "int32"),
         # per source: [rows sent, rows for each local expert]
@@ -262,7 +270,7 @@ def plan_buffers(cfg: EPConfig) -> BufferPlan:
     ]
     if fp8:
         specs.insert(1, ("dispatch.send.scales", (N, H // FP8_GROUP), "fp32"))
-        specs.insert(4, ("dispatch.recv.scales", (R, N, H // FP8_GROUP), "fp32"))
+        specs.insert(5, ("dispatch.recv.scales", (R, N, H // FP8_GROUP), "fp32"))
     buffers, offset = [], 0
     for name, shape, dtype in specs:
         spec = BufferSpec(name, shape, dtype, offset)

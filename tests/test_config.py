@@ -370,6 +370,7 @@ def test_plan_shapes(key):
     expected = {
         "dispatch.send.x": ((N, H), cfg.dispatch_dtype),
         "dispatch.send.meta": ((N, 3 * K), "int32"),
+        "dispatch.send.counts": ((R, L + 1), "int32"),
         "dispatch.recv.x": ((R, N, H), cfg.dispatch_dtype),
         "dispatch.recv.meta": ((R, N, 3 * K), "int32"),
         "dispatch.recv_count.counts": ((R, L + 1), "int32"),
@@ -389,11 +390,12 @@ def test_fp8_adds_scales():
     assert "dispatch.send.scales" not in bf16 and "dispatch.recv.scales" not in bf16
     assert "dispatch.send.scales" in fp8 and "dispatch.recv.scales" in fp8
     # scales sit in the same regions as their rows
-    assert [b.name for b in fp8.buffers][:5] == ["dispatch.send.x", "dispatch.send.scales", "dispatch.send.meta",
-                                                  "dispatch.recv.x", "dispatch.recv.scales"]
-    # fp8 halves the dispatch rows and adds N*H/128*4 (+ R*...) bytes of scales
+    assert [b.name for b in fp8.buffers][:6] == ["dispatch.send.x", "dispatch.send.scales", "dispatch.send.meta",
+                                                  "dispatch.send.counts", "dispatch.recv.x", "dispatch.recv.scales"]
+    # fp8 halves the dispatch rows and adds N*H/128*4 (+ R*...) bytes of scales; send also
+    # stages the per-destination counts, R rows of L + 1 (L = 16 experts / 2 ranks)
     N, H, R = 32, 128, 2
-    assert fp8.region_bytes()["dispatch.send"] == N * H + N * 1 * 4 + N * 12 * 4
+    assert fp8.region_bytes()["dispatch.send"] == N * H + N * 1 * 4 + N * 12 * 4 + R * 9 * 4
     assert fp8.region_bytes()["dispatch.recv"] == R * N * H + R * N * 1 * 4 + R * N * 12 * 4
     assert bf16.region_bytes()["dispatch.recv"] == R * N * H * 2 + R * N * 12 * 4
 
@@ -428,6 +430,7 @@ def test_plan_total_tiny_2_ranks():
     expected = (
         32 * 128 * 2  # dispatch.send.x        8192
         + 32 * 12 * 4  # dispatch.send.meta    1536
+        + 128  # dispatch.send.counts: 2 * 9 * 4 = 72 -> 128
         + 2 * 32 * 128 * 2  # dispatch.recv.x 16384
         + 2 * 32 * 12 * 4  # dispatch.recv.meta 3072
         + 128  # dispatch.recv_count.counts: 2 * 9 * 4 = 72 -> 128
@@ -436,7 +439,7 @@ def test_plan_total_tiny_2_ranks():
         + 2 * 32 * 128 * 2  # combine.recv.x  16384
         + 128  # combine.recv_count.signal: 16 -> 128
     )
-    assert expected == 62336
+    assert expected == 62464
     assert plan_buffers(EPConfig.preset("tiny")).total_bytes == expected
 
 
@@ -447,6 +450,7 @@ def test_plan_total_deepseek_v3_4_ranks():
     expected = sum(round_up(n) for n in [
         N * H * 2,  # dispatch.send.x (bf16)
         N * 3 * K * 4,  # dispatch.send.meta
+        R * (L + 1) * 4,  # dispatch.send.counts
         R * N * H * 2,  # dispatch.recv.x
         R * N * 3 * K * 4,  # dispatch.recv.meta
         R * (L + 1) * 4,  # dispatch.recv_count.counts
@@ -455,7 +459,7 @@ def test_plan_total_deepseek_v3_4_ranks():
         R * N * H * 2,  # combine.recv.x
         R * 8,  # combine.recv_count.signal
     ])
-    assert expected == 765_330_816
+    assert expected == 765_331_968
     total = plan_buffers(cfg).total_bytes
     assert total == expected
     assert 700 * 2**20 < total < 900 * 2**20  # sanity: ~730 MiB per GPU

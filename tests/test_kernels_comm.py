@@ -69,11 +69,12 @@ FP8_STEP_REL, FP8_SUBNORMAL_STEP = 2.0**-3, 2.0**-9
 FP8_HALF_STEP_REL, FP8_SUBNORMAL_HALF_STEP = 2.0**-4, 2.0**-10
 
 
-def make_cfg(R: int, dispatch: str = "bf16", combine: str = "bf16", align: int = 1, **overrides) -> EPConfig:
-    """The tiny preset (H 128, E 16, K 4, N_max 32) on R ranks, with one shared expert whose output
-    is the combine epilogue add_TH (as in a MoE layer)."""
-    return EPConfig.preset("tiny", gpus_per_node=R, n_shared_experts=1, dispatch_dtype=dispatch,
-                           combine_dtype=combine, expert_alignment=align, **overrides)
+def make_cfg(R: int, dispatch: str = "bf16", combine: str = "bf16", align: int = 1, nodes: int = 1,
+             **overrides) -> EPConfig:
+    """The tiny preset (H 128, E 16, K 4, N_max 32) on R ranks (``nodes`` nodes of R / nodes), with
+    one shared expert whose output is the combine epilogue add_TH (as in a MoE layer)."""
+    return EPConfig.preset("tiny", n_nodes=nodes, gpus_per_node=R // nodes, n_shared_experts=1,
+                           dispatch_dtype=dispatch, combine_dtype=combine, expert_alignment=align, **overrides)
 
 
 def out_dtype_of(cfg: EPConfig) -> torch.dtype:
@@ -402,6 +403,63 @@ def test_three_rounds(R, dispatch, combine, align):
             for ws in sim.world.workspaces:
                 assert ws.epochs.tolist() == [rnd + 1, rnd + 1]
                 assert ws.counters.tolist() == [0, 0, 0, 0] and int(ws.status.abs().sum()) == 0
+
+
+# ---- several nodes: ranks on other nodes get puts of staged rows ------------------------------
+# In the interpreter a put is a byte copy through the peer table (kernels/_shmem.py); compiled,
+# it is NVSHMEM's device library, which needs an NVSHMEM job: tests/test_gpu.py runs it on GPUs.
+on_cpu_only = pytest.mark.skipif(torch.cuda.is_available(),
+                                 reason="compiled multi-node kernels call NVSHMEM (tests/test_gpu.py, 2x2)")
+NODE_CASES = [(2, 1, "bf16", "bf16", 1), (2, 2, "fp8", "bf16", 4), (2, 2, "bf16", "fp32", 1),
+              (4, 1, "fp8", "fp32", 1)]
+
+
+@on_cpu_only
+@pytest.mark.parametrize("nodes,per_node,dispatch,combine,align", NODE_CASES,
+                         ids=[f"{n}x{g}-{d}-{c}-A{a}" for n, g, d, c, a in NODE_CASES])
+def test_three_rounds_across_nodes(nodes, per_node, dispatch, combine, align):
+    R = nodes * per_node
+    cfg = make_cfg(R, dispatch, combine, align, nodes=nodes)
+    sims = sims_for(cfg)
+    for rnd, routing in enumerate(["skewed", "uniform", "one-expert"]):
+        inp = make_round(cfg, tokens_for(R, 700 + rnd), seed=700 + rnd, routing=routing,
+                         mask=0.25 if rnd == 1 else 0.0)
+        run_round(cfg, sims, inp)
+        for ws in sims[0].world.workspaces:
+            assert ws.epochs.tolist() == [rnd + 1, rnd + 1] and int(ws.status.abs().sum()) == 0
+
+
+@on_cpu_only
+def test_puts_touch_only_other_nodes():
+    """Ranks on this node get stores, never staging: the send rows of a rank whose peers all
+    share its node stay untouched (zero), while a 2x1 world stages every sent row."""
+    for nodes, staged in [(1, False), (2, True)]:
+        cfg = make_cfg(2, "bf16", "bf16", nodes=nodes)
+        sim = Sim(cfg, KERNEL)
+        inp = make_round(cfg, [5, 3], seed=71)
+        handles = sim.dispatch(inp)
+        sim.combine(handles, sim.run_experts(handles), sim.shared(inp))
+        sent = sim.world.bufs[0].local["dispatch.send.x"].view(torch.int16)
+        assert bool(sent[:5].any()) is staged
+        assert not bool(sent[5:].any())
+
+
+@on_cpu_only
+def test_missing_sender_on_other_node_times_out():
+    cfg = make_cfg(4, "bf16", "bf16", nodes=2, recv_timeout_s=TIMEOUT_S)
+    sim = Sim(cfg, KERNEL)
+    silent = 3  # node 1
+    inp = make_round(cfg, tokens_for(4, 24, most=4), seed=72)
+    layouts = [None] * 4
+    for r in range(4):
+        if r != silent:
+            layouts[r] = KERNEL.dispatch_send(cfg=cfg, x_TH=inp.x_dev[r], topk_ids_TK=inp.ids_dev[r],
+                                              topk_weights_TK=inp.w_dev[r], bufs=sim.world.bufs[r],
+                                              ws=sim.world.workspaces[r])
+    for r in range(4):
+        with pytest.raises(EPTimeoutError, match=rf"rank {r}: dispatch timed out waiting for ranks \[{silent}\]"):
+            KERNEL.dispatch_recv(cfg=cfg, layout=layouts[r], bufs=sim.world.bufs[r], ws=sim.world.workspaces[r],
+                                 num_tokens=inp.tokens[r])
 
 
 # ---- edge cases (one round; kernel and twin) ---------------------------------------------------

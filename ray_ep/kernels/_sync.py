@@ -56,14 +56,15 @@ def last_program_done(counter_ptr):
 
 
 @triton.jit
-def release_signals(peer_bases_ptr, R, signal_offset_bytes, slot, value, R_PAD: tl.constexpr):
-    """Publish ``value`` in slot ``slot`` of every rank's signal array (release, system scope),
-    one lane per rank so the R releases go out together. Call after a CTA barrier that
-    follows the stores they publish."""
+def release_signals(peer_bases_ptr, R, G, signal_offset_bytes, slot, value, R_PAD: tl.constexpr):
+    """Publish ``value`` in slot ``slot`` of the signal array of every rank on this node (nodes
+    of G ranks; ``slot`` is this rank), release, system scope, one lane per rank so the
+    releases go out together. Call after a CTA barrier that follows the stores they publish."""
     d = tl.arange(0, R_PAD)
-    base = tl.load(peer_bases_ptr + d, mask=d < R, other=0)
+    near = (d < R) & ((d // G) == (slot // G))
+    base = tl.load(peer_bases_ptr + d, mask=near, other=0)
     sig = (base + signal_offset_bytes).to(tl.pointer_type(tl.int64)) + slot
-    tl.atomic_xchg(sig, tl.zeros((R_PAD,), dtype=tl.int64) + value, mask=d < R, sem="release", scope="sys")
+    tl.atomic_xchg(sig, tl.zeros((R_PAD,), dtype=tl.int64) + value, mask=near, sem="release", scope="sys")
 
 
 @triton.jit

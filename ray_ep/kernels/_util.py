@@ -65,22 +65,36 @@ def launch(kernel, *, work: int, device: torch.device, budget: int | None, resid
         grid = min(work, sms * _resident.get(key, 1))
     else:
         grid = work
-    compiled = kernel[(max(1, grid),)](*args, num_warps=COMM_WARPS, **meta)
+    extra = {}
+    if meta.get("REMOTE") and not meta.get("EMULATE"):
+        from ._shmem import extern_libs
+
+        extra["extern_libs"] = extern_libs()  # NVSHMEM's device library, linked at compile
+    compiled = kernel[(max(1, grid),)](*args, num_warps=COMM_WARPS, **meta, **extra)
     if key not in _resident and torch.device(device).type == "cuda" and compiled is not None:
         _resident[key] = _occupancy(compiled)
 
 
-def tile_shape(H: int, device: torch.device | str, multiple: int = 8) -> tuple[int, int]:
+def remote_meta(cfg) -> dict:
+    """Constexprs of the kernels that reach other nodes: REMOTE when the topology has several
+    nodes (ranks on other nodes get NVSHMEM puts), EMULATE in the interpreter (puts become
+    copies through the peer table, see ``_shmem``)."""
+    return dict(REMOTE=cfg.n_nodes > 1, EMULATE=interpreted())
+
+
+def tile_shape(H: int, device: torch.device | str, multiple: int = 8, elem_bytes: int = 2) -> tuple[int, int]:
     """(rows, channels) of a row tile.
 
-    On GPUs one row per program and up to 1024 channels per step (16 B per thread at
-    COMM_WARPS = 4): small programs, many of them resident on every SM, each with a few
-    independent loads in flight, hide memory and NVLink latency. In the interpreter, whole
-    rows and many of them per op (numpy is fastest on big arrays).
+    On GPUs one row per program and as many channels per step as make one 16 B store per
+    thread at COMM_WARPS = 4 (1024 bf16, 2048 fp8): small programs, many of them resident on
+    every SM, each with a few independent loads in flight, hide memory and NVLink latency,
+    and full-width stores keep the NVLink packets full. In the interpreter, whole rows and
+    many of them per op (numpy is fastest on big arrays).
     """
     if interpreted():
         return 16, max(multiple, min(8192, triton.next_power_of_2(H)))
-    return 1, max(multiple, min(1024, triton.next_power_of_2(H)))
+    per_step = 16 * 32 * COMM_WARPS // elem_bytes
+    return 1, max(multiple, min(per_step, triton.next_power_of_2(H)))
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:

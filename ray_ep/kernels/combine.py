@@ -26,8 +26,9 @@ import triton.language as tl
 
 from ..config import EPConfig
 from ..errors import EPInputError
+from ._shmem import other_node, put_bytes, quiet, signal, staged
 from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signals, wait_signals
-from ._util import check_tensor, interpreted, launch, tile_shape
+from ._util import check_tensor, interpreted, launch, remote_meta, tile_shape
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 from .dispatch import DispatchHandle
@@ -35,10 +36,12 @@ from .dispatch import DispatchHandle
 
 # ---- device code ---------------------------------------------------------------------------
 @triton.jit
-def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
-                  rank, R, L, N, H, K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BJ: tl.constexpr,
-                  BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """Weighted partial sum of each received row's local experts, stored back at its source."""
+def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
+                  rank, R, L, N, H, G, K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BJ: tl.constexpr,
+                  BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr,
+                  EMULATE: tl.constexpr):
+    """Weighted partial sum of each received row's local experts, stored back at its source
+    (on this node), or staged in this rank's ``combine.send`` rows and put to it (other nodes)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     kk = tl.arange(0, K_PAD)
@@ -56,7 +59,10 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
         here = mk & (ids >= 0) & (e >= 0) & (e < L)
         pos = tl.load(src_offsets_ptr + src * L + e, mask=here, other=0) + tl.load(meta + K, mask=here, other=0)
         w = tl.load(meta + 2 * K, mask=here, other=0).to(tl.float32, bitcast=True)
-        dst = peer_ptr(peer_bases_ptr, src, off_x, OUT_DTYPE) + (rank * N + i)[:, None].to(tl.int64) * H
+        if other_node(rank, src, G):  # the staging row that mirrors the destination row
+            dst = peer_ptr(peer_bases_ptr, rank, off_sx, OUT_DTYPE) + j[:, None] * H
+        else:
+            dst = peer_ptr(peer_bases_ptr, src, off_x, OUT_DTYPE) + (rank * N + i)[:, None].to(tl.int64) * H
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             cm = cols < H
@@ -71,12 +77,25 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
                              mask=has[:, None] & cm[None, :], other=0.0)
                 acc += w_k[:, None] * yk.to(tl.float32)
             tl.store(dst + cols[None, :], acc.to(OUT_DTYPE), mask=live[:, None] & cm[None, :])
+        if REMOTE:
+            if other_node(rank, src, G):
+                staged(EMULATE)
+                n = tl.minimum(n_src - first, BJ)
+                put_bytes(peer_bases_ptr, rank, src, off_x + (rank * N + first).to(tl.int64) * H * XB,
+                          off_sx + (src * N + first).to(tl.int64) * H * XB, n * H * XB, EMULATE)
+    if REMOTE:
+        quiet(EMULATE)  # delivered before this program counts itself done (the signals follow)
 
 
 @triton.jit
-def _signal_all(peer_bases_ptr, off_signal, rank, R, value, R_PAD: tl.constexpr):
+def _signal_all(peer_bases_ptr, off_signal, rank, R, G, value, R_PAD: tl.constexpr, REMOTE: tl.constexpr,
+                EMULATE: tl.constexpr):
     tl.debug_barrier()
-    release_signals(peer_bases_ptr, R, off_signal, rank, value, R_PAD)
+    release_signals(peer_bases_ptr, R, G, off_signal, rank, value, R_PAD)
+    if REMOTE:
+        for s in range(R):
+            if other_node(rank, s, G):
+                signal(peer_bases_ptr, rank, s, off_signal + rank * 8, value, EMULATE)
 
 
 @triton.jit
@@ -105,16 +124,17 @@ def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, 
                      acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr,
-                         epochs_ptr, counters_ptr, off_x, off_signal, rank, R, L, N, H,
+                         epochs_ptr, counters_ptr, off_x, off_signal, off_sx, rank, R, L, N, H, G,
                          K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BJ: tl.constexpr,
-                         BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                         BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr,
+                         EMULATE: tl.constexpr):
     epoch = tl.load(epochs_ptr)
-    _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
-                  rank, R, L, N, H, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE)
+    _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
+                  rank, R, L, N, H, G, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE)
     if last_program_done(counters_ptr):
-        _signal_all(peer_bases_ptr, off_signal, rank, R, epoch + 1, R_PAD)
+        _signal_all(peer_bases_ptr, off_signal, rank, R, G, epoch + 1, R_PAD, REMOTE, EMULATE)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -129,19 +149,19 @@ def _combine_recv_kernel(signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, o
         tl.store(epochs_ptr, epoch + 1)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "rank"])
 def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr,
                           signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
                           epochs_ptr, send_counter_ptr, recv_counter_ptr, status_ptr,
-                          off_x, off_signal, rank, R, L, N, H, T, timeout_ns, max_spins,
+                          off_x, off_signal, off_sx, rank, R, L, N, H, G, T, timeout_ns, max_spins,
                           K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr,
-                          BJ: tl.constexpr,
-                          BT: tl.constexpr, BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, USE_TIMER: tl.constexpr):
+                          BJ: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                          XB: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
     epoch = tl.load(epochs_ptr)
-    _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x,
-                  rank, R, L, N, H, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE)
+    _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
+                  rank, R, L, N, H, G, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE)
     if last_program_done(send_counter_ptr):
-        _signal_all(peer_bases_ptr, off_signal, rank, R, epoch + 1, R_PAD)
+        _signal_all(peer_bases_ptr, off_signal, rank, R, G, epoch + 1, R_PAD, REMOTE, EMULATE)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
         _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, R_PAD, HAS_ADD, BT, BLOCK_H)
     if last_program_done(recv_counter_ptr):
@@ -150,6 +170,12 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
 
 # ---- launchers -----------------------------------------------------------------------------
 _TL_DTYPES = {"bf16": tl.bfloat16, "fp32": tl.float32}
+
+
+def _out_meta(cfg: EPConfig) -> dict:
+    """Constexprs of the partial rows a combine sends: dtype, its bytes, the remote path."""
+    return dict(OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype], XB=2 if cfg.combine_dtype == "bf16" else 4,
+                **remote_meta(cfg))
 
 
 def _check_y(cfg: EPConfig, y_MH: torch.Tensor, device: torch.device) -> None:
@@ -183,13 +209,13 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
     R, N = cfg.world_size, cfg.max_tokens_per_rank
     bj, bh = tile_shape(cfg.hidden_size, bufs.device)
     args = [*_send_args(cfg, y_MH, handle, bufs), ws.epochs[EPOCH_COMBINE:], ws.counters[COUNTER_COMBINE_SEND:],
-            bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.rank, R,
-            cfg.experts_per_rank, N, cfg.hidden_size]
+            bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.offset("combine.send.x"),
+            bufs.rank, R, cfg.experts_per_rank, N, cfg.hidden_size, cfg.gpus_per_node]
     # the host does not know how many rows arrived: a grid the SMs hold at once, looping over the live blocks
     launch(_combine_send_kernel, work=triton.cdiv(R * N, bj), device=bufs.device, budget=num_sms or cfg.num_sms,
            resident=True, args=args,
            meta=dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(R), BJ=bj,
-                     BLOCK_H=bh, OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype]))
+                     BLOCK_H=bh, **_out_meta(cfg)))
 
 
 def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
@@ -228,13 +254,14 @@ def combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: 
             handle.layout.token_slots_TR, add_TH if add_TH is not None else out,
             add_TH.stride(0) if add_TH is not None else 0, out, out.stride(0), ws.epochs[EPOCH_COMBINE:],
             ws.counters[COUNTER_COMBINE_SEND:], ws.counters[COUNTER_COMBINE_RECV:], ws.status,
-            bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.rank, R,
-            cfg.experts_per_rank, N, cfg.hidden_size, handle.num_tokens, timeout_ns, max_spins]
+            bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.offset("combine.send.x"),
+            bufs.rank, R, cfg.experts_per_rank, N, cfg.hidden_size, cfg.gpus_per_node, handle.num_tokens,
+            timeout_ns, max_spins]
     launch(_combine_fused_kernel, work=max(triton.cdiv(R * N, bj), triton.cdiv(handle.num_tokens, bt)),
            device=bufs.device, budget=num_sms or cfg.num_sms, resident=True, args=args,
            meta=dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(R),
-                     HAS_ADD=add_TH is not None, BJ=bj, BT=bt, BLOCK_H=bh, OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype],
-                     USE_TIMER=not interpreted()))
+                     HAS_ADD=add_TH is not None, BJ=bj, BT=bt, BLOCK_H=bh, USE_TIMER=not interpreted(),
+                     **_out_meta(cfg)))
     if check:
         check_status(ws, bufs.rank, "combine")
     return out

@@ -34,8 +34,9 @@ import triton.language as tl
 
 from ..config import FP8_GROUP, EPConfig
 from ..errors import EPInputError
+from ._shmem import other_node, put_bytes, put_signal, quiet, staged
 from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signals, wait_signals
-from ._util import check_tensor, interpreted, launch, tile_shape
+from ._util import check_tensor, interpreted, launch, remote_meta, tile_shape
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW,
                       SymmetricBuffers, Workspace, check_status)
 from .layout import DispatchLayout, compute_layout, compute_layout_ref
@@ -89,16 +90,22 @@ class DispatchHandle:
 
 
 # ---- device code ---------------------------------------------------------------------------
+# The kernels take ``rank`` (and ``T``) unspecialised: Triton would compile a separate variant
+# for rank 1 (ints equal to 1 become constants), and in a process hosting several ranks (the
+# single-GPU tests) that compile and module load would happen while other ranks' kernels spin.
 @triton.jit
 def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
-               peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R,
+               peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, G,
                K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, FP8: tl.constexpr,
-               BT: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Store this program's share of token rows and meta rows into every destination."""
+               BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
+    """Store this program's share of token rows and meta rows into every destination on this
+    node; with REMOTE, stage them once in this rank's ``dispatch.send`` rows and put them to
+    the destinations on other nodes (nodes of G ranks)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     kk = tl.arange(0, K_PAD)
     km = kk < K
+    SG: tl.constexpr = BLOCK_H // 128 if FP8 else 1
     for blk in range(pid, tl.cdiv(T, BT), nprog):
         toks = blk * BT + tl.arange(0, BT)
         tm = toks < T
@@ -107,8 +114,13 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
         ords = tl.load(ordinals_ptr + toks[:, None] * K + kk[None, :], mask=mk, other=-1)
         wts = tl.load(w_ptr + toks[:, None] * stride_w + kk[None, :], mask=mk, other=0.0)
         wbits = wts.to(tl.float32).to(tl.int32, bitcast=True)
+        if REMOTE:
+            meta = peer_ptr(peer_bases_ptr, rank, off_sm, tl.int32) + toks[:, None].to(tl.int64) * (3 * K) + kk[None, :]
+            tl.store(meta, ids, mask=mk)
+            tl.store(meta + K, ords, mask=mk)
+            tl.store(meta + 2 * K, wbits, mask=mk)
         for d in tl.static_range(R_PAD):
-            slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R), other=-1)
+            slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & ((d // G) == (rank // G)), other=-1)
             ok = slot >= 0
             if tl.max(ok.to(tl.int32), axis=0) > 0:
                 row = (rank * N + slot).to(tl.int64)
@@ -123,10 +135,20 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
             x = tl.load(x_ptr + toks[:, None].to(tl.int64) * stride_x + cols[None, :],
                         mask=tm[:, None] & cm[None, :], other=0.0)
             if FP8:
-                q, s = quantize_group(x.to(tl.float32), BLOCK_H // 128)
-                g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+                q, s = quantize_group(x.to(tl.float32), SG)
+                g = h0 // 128 + tl.arange(0, SG)
+                gm = g[None, :] < H // 128
+            if REMOTE:
+                if FP8:
+                    px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.float8e4nv)
+                    tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], q, mask=tm[:, None] & cm[None, :])
+                    ps = peer_ptr(peer_bases_ptr, rank, off_ss, tl.float32)
+                    tl.store(ps + toks[:, None].to(tl.int64) * (H // 128) + g[None, :], s, mask=tm[:, None] & gm)
+                else:
+                    px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.bfloat16)
+                    tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], x, mask=tm[:, None] & cm[None, :])
             for d in tl.static_range(R_PAD):
-                slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R), other=-1)
+                slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & ((d // G) == (rank // G)), other=-1)
                 ok = slot >= 0
                 if tl.max(ok.to(tl.int32), axis=0) > 0:
                     row = (rank * N + slot).to(tl.int64)
@@ -134,24 +156,66 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
                         px = peer_ptr(peer_bases_ptr, d, off_x, tl.float8e4nv)
                         tl.store(px + row[:, None] * H + cols[None, :], q, mask=ok[:, None] & cm[None, :])
                         ps = peer_ptr(peer_bases_ptr, d, off_scales, tl.float32)
-                        tl.store(ps + row[:, None] * (H // 128) + g[None, :], s,
-                                 mask=ok[:, None] & (g[None, :] < H // 128))
+                        tl.store(ps + row[:, None] * (H // 128) + g[None, :], s, mask=ok[:, None] & gm)
                     else:
                         px = peer_ptr(peer_bases_ptr, d, off_x, tl.bfloat16)
                         tl.store(px + row[:, None] * H + cols[None, :], x, mask=ok[:, None] & cm[None, :])
+        if REMOTE:
+            _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm,
+                             blk * BT, T, H, N, rank, R, G, K, FP8, BT, EMULATE)
+    if REMOTE:
+        quiet(EMULATE)  # delivered before this program counts itself done (the signals follow)
 
 
 @triton.jit
-def _publish(peer_bases_ptr, off_counts, off_signal, expert_counts_ptr, rank_counts_ptr,
-             rank, R, L, value, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """Last program of a send: counts then one signal per destination."""
+def _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm,
+                     t0, T, H, N, rank, R, G, K: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr,
+                     EMULATE: tl.constexpr):
+    """Put the staged rows of tokens t0 .. t0 + BT - 1 to their destinations on other nodes:
+    row, scales and meta land exactly where a store from this node would have put them."""
+    staged(EMULATE)
+    XB: tl.constexpr = 1 if FP8 else 2
+    for r in tl.static_range(BT):
+        t = t0 + r
+        if t < T:
+            for d in range(R):
+                if other_node(rank, d, G):
+                    slot = tl.load(slots_ptr + t * R + d)
+                    if slot >= 0:
+                        row = (rank * N + slot).to(tl.int64)
+                        tt = t.to(tl.int64)
+                        put_bytes(peer_bases_ptr, rank, d, off_x + row * H * XB, off_sx + tt * H * XB, H * XB,
+                                  EMULATE)
+                        if FP8:
+                            put_bytes(peer_bases_ptr, rank, d, off_scales + row * (H // 128) * 4,
+                                      off_ss + tt * (H // 128) * 4, (H // 128) * 4, EMULATE)
+                        put_bytes(peer_bases_ptr, rank, d, off_meta + row * (3 * K * 4), off_sm + tt * (3 * K * 4),
+                                  3 * K * 4, EMULATE)
+
+
+@triton.jit
+def _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
+             rank, R, L, G, value, L_PAD: tl.constexpr, R_PAD: tl.constexpr, REMOTE: tl.constexpr,
+             EMULATE: tl.constexpr):
+    """Last program of a send: counts then one signal per destination (stores and a release
+    on this node, a put-with-signal of the staged counts to other nodes)."""
     e = tl.arange(0, L_PAD)
     for d in range(R):
-        cnt = peer_ptr(peer_bases_ptr, d, off_counts, tl.int32) + rank * (L + 1)
-        tl.store(cnt, tl.load(rank_counts_ptr + d))
-        tl.store(cnt + 1 + e, tl.load(expert_counts_ptr + d * L + e, mask=e < L), mask=e < L)
+        n_rows = tl.load(rank_counts_ptr + d)
+        per_expert = tl.load(expert_counts_ptr + d * L + e, mask=e < L)
+        if other_node(rank, d, G):
+            cnt = peer_ptr(peer_bases_ptr, rank, off_scounts, tl.int32) + d * (L + 1)
+        else:
+            cnt = peer_ptr(peer_bases_ptr, d, off_counts, tl.int32) + rank * (L + 1)
+        tl.store(cnt, n_rows)
+        tl.store(cnt + 1 + e, per_expert, mask=e < L)
+        if REMOTE:
+            if other_node(rank, d, G):
+                staged(EMULATE)
+                put_signal(peer_bases_ptr, rank, d, off_counts + rank * (L + 1) * 4, off_scounts + d * (L + 1) * 4,
+                           (L + 1) * 4, off_signal + rank * 8, value, EMULATE)
     tl.debug_barrier()  # the counts of all threads before the release
-    release_signals(peer_bases_ptr, R, off_signal, rank, value, R_PAD)
+    release_signals(peer_bases_ptr, R, G, off_signal, rank, value, R_PAD)
 
 
 @triton.jit
@@ -211,21 +275,24 @@ def _recv_layout(signal_ptr, counts_ptr, meta_ptr, target, status_ptr, scratch_p
                 tl.store(row_ids_ptr + pos, j[:, None] + kk[None, :] * 0, mask=here)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "rank"])
 def _dispatch_send_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
                           expert_counts_ptr, rank_counts_ptr, peer_bases_ptr, epochs_ptr, counters_ptr,
-                          off_x, off_scales, off_meta, off_counts, off_signal, T, H, N, rank, R, L,
+                          off_x, off_scales, off_meta, off_counts, off_signal, off_sx, off_ss, off_sm, off_scounts,
+                          T, H, N, rank, R, L, G,
                           K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
-                          FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr):
+                          FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr,
+                          EMULATE: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
-               peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R, K, K_PAD, R_PAD, FP8, BT, BLOCK_H)
+               peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, G,
+               K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE)
     if last_program_done(counters_ptr):
-        _publish(peer_bases_ptr, off_counts, off_signal, expert_counts_ptr, rank_counts_ptr,
-                 rank, R, L, epoch + 1, L_PAD, R_PAD)
+        _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
+                 rank, R, L, G, epoch + 1, L_PAD, R_PAD, REMOTE, EMULATE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _dispatch_recv_kernel(signal_ptr, counts_ptr, meta_ptr, epochs_ptr, counters_ptr, status_ptr, scratch_ptr,
                           row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                           rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins,
@@ -239,23 +306,24 @@ def _dispatch_recv_kernel(signal_ptr, counts_ptr, meta_ptr, epochs_ptr, counters
         tl.store(epochs_ptr, epoch + 1)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "rank"])
 def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
                            expert_counts_ptr, rank_counts_ptr, peer_bases_ptr, epochs_ptr, send_counter_ptr,
                            recv_counter_ptr, status_ptr, scratch_ptr,
                            row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                            signal_ptr, counts_ptr, meta_ptr,
-                           off_x, off_scales, off_meta, off_counts, off_signal, T, H, N, rank, R, L,
-                           CAP, ALIGN, timeout_ns, max_spins,
+                           off_x, off_scales, off_meta, off_counts, off_signal, off_sx, off_ss, off_sm, off_scounts,
+                           T, H, N, rank, R, L, G, CAP, ALIGN, timeout_ns, max_spins,
                            K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
                            A_PAD: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
-                           BJ: tl.constexpr, USE_TIMER: tl.constexpr):
+                           BJ: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
-               peer_bases_ptr, off_x, off_scales, off_meta, T, H, N, rank, R, K, K_PAD, R_PAD, FP8, BT, BLOCK_H)
+               peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, G,
+               K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE)
     if last_program_done(send_counter_ptr):
-        _publish(peer_bases_ptr, off_counts, off_signal, expert_counts_ptr, rank_counts_ptr,
-                 rank, R, L, epoch + 1, L_PAD, R_PAD)
+        _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
+                 rank, R, L, G, epoch + 1, L_PAD, R_PAD, REMOTE, EMULATE)
     _recv_layout(signal_ptr, counts_ptr, meta_ptr, epoch + 1, status_ptr, scratch_ptr,
                  row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                  rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins, K, K_PAD, R_PAD, L_PAD, A_PAD, BJ, USE_TIMER)
@@ -287,16 +355,23 @@ def _plan_offsets(bufs: SymmetricBuffers) -> dict[str, int]:
                 off_scales=bufs.offset("dispatch.recv.scales") if fp8 else 0,
                 off_meta=bufs.offset("dispatch.recv.meta"),
                 off_counts=bufs.offset("dispatch.recv_count.counts"),
-                off_signal=bufs.offset("dispatch.recv_count.signal"))
+                off_signal=bufs.offset("dispatch.recv_count.signal"),
+                # staging of the puts to other nodes
+                off_sx=bufs.offset("dispatch.send.x"),
+                off_ss=bufs.offset("dispatch.send.scales") if fp8 else 0,
+                off_sm=bufs.offset("dispatch.send.meta"),
+                off_scounts=bufs.offset("dispatch.send.counts"))
 
 
 def _send_args(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: DispatchLayout,
                bufs: SymmetricBuffers) -> tuple[list, dict]:
-    bt, bh = tile_shape(cfg.hidden_size, x_TH.device, multiple=FP8_GROUP if cfg.dispatch_dtype == "fp8" else 8)
+    fp8 = cfg.dispatch_dtype == "fp8"
+    bt, bh = tile_shape(cfg.hidden_size, x_TH.device, multiple=FP8_GROUP if fp8 else 8, elem_bytes=1 if fp8 else 2)
     args = [x_TH, x_TH.stride(0), topk_ids_TK, topk_ids_TK.stride(0), topk_weights_TK, topk_weights_TK.stride(0),
             layout.token_slots_TR, layout.ordinals_TK, layout.expert_counts_E, layout.rank_counts_R]
     meta = dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(cfg.world_size),
-                L_PAD=triton.next_power_of_2(cfg.experts_per_rank), FP8=cfg.dispatch_dtype == "fp8", BT=bt, BLOCK_H=bh)
+                L_PAD=triton.next_power_of_2(cfg.experts_per_rank), FP8=cfg.dispatch_dtype == "fp8", BT=bt, BLOCK_H=bh,
+                **remote_meta(cfg))
     return args, meta
 
 
@@ -346,7 +421,7 @@ def dispatch_send(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tenso
     args, meta = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, bufs)
     args += [bufs.peer_bases, ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_SEND:],
              *_plan_offsets(bufs).values(), x_TH.shape[0], cfg.hidden_size, cfg.max_tokens_per_rank,
-             bufs.rank, cfg.world_size, cfg.experts_per_rank]
+             bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.gpus_per_node]
     launch(_dispatch_send_kernel, work=triton.cdiv(x_TH.shape[0], meta["BT"]), device=dev,
            budget=num_sms or cfg.num_sms, resident=False, args=args, meta=meta)
     return layout
@@ -393,7 +468,8 @@ def dispatch(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, to
              ws.counters[COUNTER_DISPATCH_RECV:], ws.status, ws.scratch, *_recv_outputs(recv),
              v["dispatch.recv_count.signal"], v["dispatch.recv_count.counts"], v["dispatch.recv.meta"],
              *_plan_offsets(bufs).values(), x_TH.shape[0], cfg.hidden_size, cfg.max_tokens_per_rank,
-             bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.max_recv_rows, cfg.expert_alignment,
+             bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.gpus_per_node, cfg.max_recv_rows,
+             cfg.expert_alignment,
              timeout_ns, max_spins]
     launch(_dispatch_fused_kernel, work=work, device=dev, budget=_scratch_cap(ws, num_sms or cfg.num_sms),
            resident=True, args=args, meta=meta)

@@ -7,6 +7,11 @@ at once (init is collective and blocking). Every rank then allocates the BufferP
 with one collective ``nvshmem.core.tensor``, maps its peers' blocks through NVLink
 (``get_peer_tensor``) and builds the device table of peer base addresses the kernels read.
 
+Ranks of other nodes (``n_nodes > 1``) are not mapped: their base address in the table is 0
+and the kernels reach them by NVSHMEM puts from Triton. Those kernels link NVSHMEM's device
+bitcode and each of their modules must be registered with ``nvshmemx_cumodule_init`` before
+its first launch: :func:`runtime_init` adds a Triton kernel-load hook that does it.
+
 Environment the worker sets before init (never changed behind the user's back elsewhere):
 NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast), NVSHMEM_REMOTE_TRANSPORT=none on one node.
 """
@@ -55,6 +60,30 @@ def _uid_from_bytes(raw: bytes):
 
 _runtime: dict = {}  # the process's NVSHMEM runtime: one init per process, many transports
 
+# kernels that may call NVSHMEM (their multi-node variants link the device library)
+_NVSHMEM_KERNELS = frozenset({"_dispatch_send_kernel", "_dispatch_fused_kernel", "_combine_send_kernel",
+                              "_combine_fused_kernel"})
+
+
+def _uses_nvshmem(module: int) -> bool:
+    """True when a loaded CUDA module holds NVSHMEM's device state (it linked the library)."""
+    from cuda.bindings import driver
+
+    err, _, _ = driver.cuModuleGetGlobal(driver.CUmodule(module), b"nvshmemi_device_state_d")
+    return err == driver.CUresult.CUDA_SUCCESS
+
+
+def _register_module(module, function, name, metadata_group, hash) -> None:
+    """Triton kernel-load hook: hand NVSHMEM every module that links its device library,
+    before the module's first launch (a module without it would read a zeroed device state)."""
+    if name not in _NVSHMEM_KERNELS or not _runtime or not _uses_nvshmem(module):
+        return
+    import nvshmem.bindings as nvb
+
+    rc = nvb.cumodule_init(module)
+    if rc != 0:
+        raise EPWorkerError(f"rank {_runtime['rank']}: nvshmemx_cumodule_init failed ({rc}) for kernel {name}")
+
 
 def runtime_init(rank: int, world_size: int, device: torch.device, unique_id: bytes, n_nodes: int = 1) -> None:
     """Join the NVSHMEM job (collective and blocking: every rank at once)."""
@@ -72,6 +101,10 @@ def runtime_init(rank: int, world_size: int, device: torch.device, unique_id: by
     dev.set_current()
     nvc.init(device=dev, uid=_uid_from_bytes(unique_id), rank=rank, nranks=world_size, initializer_method="uid")
     _runtime.update(nvc=nvc, rank=rank, world_size=world_size, transports=0)
+    import triton
+
+    # a chain: hooks installed by others (profilers) keep running
+    triton.knobs.runtime.kernel_load_end_hook.add(_register_module)
 
 
 def runtime_finalize() -> None:
@@ -82,6 +115,9 @@ def runtime_finalize() -> None:
         raise EPWorkerError(f"{_runtime['transports']} NVSHMEM transport(s) still hold symmetric memory")
     nvc = _runtime.pop("nvc")
     _runtime.clear()
+    import triton
+
+    triton.knobs.runtime.kernel_load_end_hook.remove(_register_module)
     torch.cuda.synchronize()
     nvc.finalize()
 
@@ -108,14 +144,19 @@ class NvshmemTransport(Transport):
         for p in range(cfg.world_size):
             if p == rank:  # never get_peer_tensor on oneself (it would skip the collective free)
                 blocks.append(self._block)
-                continue
-            try:
-                blocks.append(nvc.get_peer_tensor(self._block, p))
-            except Exception as e:  # not P2P-reachable: another node
-                raise EPWorkerError(f"rank {rank}: rank {p}'s buffers are not reachable over NVLink "
-                                    f"({e}); multi-node puts are not enabled in this build") from e
-        views = [typed_views(b, plan) for b in blocks]
-        bases = torch.tensor([b.data_ptr() for b in blocks], dtype=torch.int64, device=device)
+            elif cfg.node_of(p) != cfg.node_of(rank):
+                blocks.append(None)  # another node: NVSHMEM puts only, even where NVLink could reach it
+            else:
+                try:
+                    blocks.append(nvc.get_peer_tensor(self._block, p))
+                except Exception as e:
+                    raise EPWorkerError(f"rank {rank}: rank {p} is on this node (gpus_per_node = "
+                                        f"{cfg.gpus_per_node}) but its buffers are not reachable over NVLink "
+                                        f"({e}); check the topology: n_nodes x gpus_per_node must match the "
+                                        f"hosts") from e
+        views = [typed_views(b, plan) if b is not None else None for b in blocks]
+        bases = torch.tensor([b.data_ptr() if b is not None else 0 for b in blocks], dtype=torch.int64,
+                             device=device)
         self.bufs = SymmetricBuffers(plan, rank, views[rank], views, bases)
         self.ws = Workspace.allocate(cfg, device)
         self._recv_out = RecvLayout.allocate(cfg, device)

@@ -1,0 +1,117 @@
+"""Compile the communication kernels for an H100/H200 (sm_90) on a machine without a GPU.
+
+Runs the launchers of ``ray_ep.kernels`` on CPU tensors with ``launch`` replaced by a recorder,
+then compiles each recorded kernel to a cubin with Triton's CUDA backend (ptxas ships with
+Triton). Kernels of a multi-node topology call NVSHMEM: they are linked against NVSHMEM's
+device bitcode when ``--bitcode PATH`` (or nvshmem4py) provides it, else skipped.
+
+    python tests/sm90_compile.py [--bitcode PATH] [--multi-node] [--fp8]
+
+Prints one line per kernel and exits 1 when one fails. Must run without TRITON_INTERPRET
+(tests/test_kernels_sm90.py starts it in a subprocess).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import torch
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def record_launches(cfg) -> list[tuple]:
+    """(kernel, args, meta) of one fused and one split dispatch and combine of ``cfg`` on rank 0."""
+    from ray_ep.kernels import _util, combine, dispatch, layout
+    from ray_ep.transport.local import LocalWorld
+
+    seen: list[tuple] = []
+
+    def fake_launch(kernel, *, work, device, budget, resident, args, meta):
+        seen.append((kernel, args, meta))
+
+    for mod in (_util, dispatch, combine):
+        mod.launch = fake_launch
+    dispatch.compute_layout = layout.compute_layout_ref  # the layout kernels launch directly
+    world = LocalWorld.create(cfg, device="cpu")
+    bufs, ws = world.bufs[0], world.workspaces[0]
+    T, K = cfg.max_tokens_per_rank, cfg.top_k
+    x = torch.zeros(T, cfg.hidden_size, dtype=torch.bfloat16)
+    ids = torch.zeros(T, K, dtype=torch.int32)
+    w = torch.zeros(T, K)
+    y = torch.zeros(cfg.max_recv_rows, cfg.hidden_size, dtype=torch.bfloat16)
+    h = dispatch.dispatch(cfg=cfg, x_TH=x, topk_ids_TK=ids, topk_weights_TK=w, bufs=bufs, ws=ws, check=False)
+    combine.combine(cfg=cfg, y_MH=y, handle=h, bufs=bufs, ws=ws, check=False)
+    lay = dispatch.dispatch_send(cfg=cfg, x_TH=x, topk_ids_TK=ids, topk_weights_TK=w, bufs=bufs, ws=ws)
+    h = dispatch.dispatch_recv(cfg=cfg, layout=lay, bufs=bufs, ws=ws, num_tokens=T, check=False)
+    combine.combine_send(cfg=cfg, y_MH=y, handle=h, bufs=bufs, ws=ws)
+    combine.combine_recv(cfg=cfg, handle=h, bufs=bufs, ws=ws, check=False)
+    return seen
+
+
+def compile_sm90(kernel, args, meta, bitcode: str | None):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = [n for n in kernel.arg_names if n not in meta]
+    sig, constexprs = {}, {}
+    for name, a in zip(names, args):
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*" + _DTYPES[a.dtype]
+        else:
+            sig[name] = "i64" if abs(int(a)) >= 2**31 else "i32"
+    for name, v in meta.items():
+        sig[name] = "constexpr"
+        constexprs[name] = v
+    opts = {"num_warps": 4}
+    if meta.get("REMOTE"):
+        opts["extern_libs"] = {"libnvshmem_device": bitcode}
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bitcode", help="libnvshmem_device.bc (default: nvshmem4py's, if installed)")
+    ap.add_argument("--multi-node", action="store_true", help="a 2-node topology (kernels with NVSHMEM puts)")
+    ap.add_argument("--fp8", action="store_true", help="fp8 dispatch")
+    a = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("run without TRITON_INTERPRET")
+    from ray_ep.config import EPConfig
+
+    cfg = EPConfig.preset("tiny", n_nodes=2 if a.multi_node else 1, gpus_per_node=2,
+                          dispatch_dtype="fp8" if a.fp8 else "bf16", hidden_size=256)
+    bitcode = a.bitcode
+    if a.multi_node and bitcode is None:
+        try:
+            from ray_ep.kernels._shmem import device_bitcode
+
+            bitcode = device_bitcode()
+        except Exception as e:  # noqa: BLE001 - no nvshmem4py here
+            print(f"SKIP multi-node kernels: no NVSHMEM device bitcode ({e})")
+            return 0
+    failed = 0
+    done = set()
+    for kernel, args, meta in record_launches(cfg):
+        key = (kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in meta.items())))
+        if key in done:
+            continue
+        done.add(key)
+        try:
+            ck = compile_sm90(kernel, args, meta, bitcode)
+            print(f"OK   {kernel.fn.__name__:<28} {len(ck.asm['cubin']):>8} B cubin, "
+                  f"nvshmem={'nvshmem' in ck.asm['ptx']}")
+        except Exception:  # noqa: BLE001 - report every kernel
+            failed += 1
+            print(f"FAIL {kernel.fn.__name__}\n{traceback.format_exc()}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The communication kernels compile for H100/H200 (sm_90), here, without a GPU.
+
+The CPU tests run the kernels in Triton's interpreter, which accepts code the GPU compiler
+rejects (and never links NVSHMEM). This compiles every kernel variant to a cubin with
+Triton's CUDA backend, in a subprocess because the interpreter is on in this one
+(tests/sm90_compile.py). Multi-node variants link NVSHMEM's device bitcode: compiled when
+nvshmem4py (or RAY_EP_NVSHMEM_BITCODE) provides it, skipped otherwise.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("sm90_compile.py")
+ROOT = SCRIPT.parent.parent
+
+
+def _bitcode() -> str | None:
+    path = os.environ.get("RAY_EP_NVSHMEM_BITCODE")
+    if path:
+        return path
+    try:
+        import nvshmem.core as nvc
+
+        return nvc.find_device_bitcode_library()
+    except Exception:
+        return None
+
+
+def _compile(*flags: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_single_node_kernels_compile(dtype):
+    out = _compile(*(["--fp8"] if dtype == "fp8" else []))
+    lines = [line for line in out.splitlines() if line.startswith("OK")]
+    assert len(lines) == 6, out  # fused, send and recv of dispatch and combine
+    assert all("nvshmem=False" in line for line in lines), out
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_multi_node_kernels_compile_with_nvshmem(dtype):
+    bitcode = _bitcode()
+    if bitcode is None:
+        pytest.skip("no NVSHMEM device bitcode (pip install nvshmem4py-cu13, or set RAY_EP_NVSHMEM_BITCODE)")
+    out = _compile("--multi-node", "--bitcode", bitcode, *(["--fp8"] if dtype == "fp8" else []))
+    sends = [line for line in out.splitlines() if line.startswith("OK") and ("send" in line or "fused" in line)]
+    assert len(sends) == 4 and all("nvshmem=True" in line for line in sends), out
