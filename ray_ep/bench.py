@@ -54,6 +54,8 @@ class BenchRow:
     received_gbps: float
     check_error: float | None = None
     misplaced_rows: int = 0
+    topology: str = ""
+    """n_nodes x gpus_per_node, e.g. 1x4 (one node) or 2x2 (other-node ranks get NVSHMEM puts)."""
 
 
 @dataclass
@@ -62,12 +64,12 @@ class BenchResult:
     meta: dict = field(default_factory=dict)
 
     def table(self) -> str:
-        head = (f"{'preset':<21}{'backend':<15}{'op':<11}{'dtype':<6}{'routing':<9}{'T/rank':>7}{'SMs':>5}"
+        head = (f"{'preset':<21}{'backend':<15}{'topo':<5}{'op':<11}{'dtype':<6}{'routing':<9}{'T/rank':>7}{'SMs':>5}"
                 f"{'median us':>11}{'p10':>9}{'p90':>9}{'remote GB/s':>12}{'recv GB/s':>10}{'check':>10}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             chk = "-" if r.check_error is None else (f"{r.check_error:.1e}" if r.misplaced_rows == 0 else "MISPLACED")
-            lines.append(f"{r.preset:<21}{r.backend:<15}{r.op:<11}{r.dtype:<6}{r.routing:<9}{r.tokens:>7}{r.sms:>5}"
+            lines.append(f"{r.preset:<21}{r.backend:<15}{r.topology:<5}{r.op:<11}{r.dtype:<6}{r.routing:<9}{r.tokens:>7}{r.sms:>5}"
                          f"{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}{r.remote_gbps:>12.2f}"
                          f"{r.received_gbps:>10.2f}{chk:>10}")
         if self.meta:
@@ -123,7 +125,7 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
     remote = statistics.mean(r["remote_rows"] for r in per_rank) * nbytes_per_row
     received = statistics.mean(r["received_rows"] for r in per_rank) * nbytes_per_row
     checks = [r["check_error"] for r in per_rank]
-    return BenchRow(op=op, world_size=cfg.world_size, median_us=slowest, p10_us=_pct(samples, 0.1),
+    return BenchRow(op=op, world_size=cfg.world_size, topology=f"{cfg.n_nodes}x{cfg.gpus_per_node}", median_us=slowest, p10_us=_pct(samples, 0.1),
                     p90_us=_pct(samples, 0.9), per_rank_median_us=medians,
                     remote_gbps=remote / slowest / 1e3 if slowest else 0.0,
                     received_gbps=received / slowest / 1e3 if slowest else 0.0,
@@ -237,13 +239,13 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
                     bar.step(f"{p} all_to_all_single equal splits")
             finally:
                 cluster.call_workers("drop_group", name)
-    if baselines and on_gpu and cluster.world_size >= 2:
+    if baselines and on_gpu and cluster.config.gpus_per_node >= 2:  # a pair on one node
         per_rank = cluster.call_workers("bench", "peer_copy", nbytes=256 * 2**20, iters=iters, warmup=warmup)
         rank0 = per_rank[:1]
         med = statistics.median(rank0[0]["times_us"]["peer_copy"])
         nb = rank0[0]["remote_rows"]
         result.rows.append(BenchRow(preset="-", backend="copy-engine", op="peer_copy", dtype="u8", routing="-",
-                                    tokens=0, world_size=2, sms="-", median_us=med,
+                                    tokens=0, world_size=2, sms="-", median_us=med, topology="1x2",
                                     p10_us=_pct(rank0[0]["times_us"]["peer_copy"], 0.1),
                                     p90_us=_pct(rank0[0]["times_us"]["peer_copy"], 0.9), per_rank_median_us=[med],
                                     remote_gbps=nb / med / 1e3, received_gbps=nb / med / 1e3))

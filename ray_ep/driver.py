@@ -89,7 +89,9 @@ class EPCluster:
     Args:
         config: an :class:`EPConfig`, a preset name, a YAML/JSON path or a dict of fields.
         address: Ray address to connect to ("auto" for an existing cluster); None starts a
-            local Ray (the embedded default) unless one is already connected.
+            local Ray (the embedded default) unless one is already connected; with
+            ``n_nodes > 1`` that local Ray has n_nodes raylets on this host, each owning its
+            share of the GPUs (:mod:`ray_ep.local_cluster`), so one host plays a multi-node job.
         use_gpu: one GPU per worker; None decides from the cluster (GPUs for every rank).
         runtime_env: extra Ray runtime_env for the workers (env vars are merged with the
             ones NVSHMEM/NCCL need: NVLink multicast stays off).
@@ -108,6 +110,7 @@ class EPCluster:
         self._strategy = placement_strategy
         self._group: EPWorkerGroup | None = None
         self._owns_ray = False
+        self._local_cluster = None
         self._phase: str | None = None
         self._num_tokens: list[int] = []
         self.backend: str | None = None
@@ -119,7 +122,9 @@ class EPCluster:
         if self._group is not None:
             raise EPStateError("the cluster is already started")
         cfg = self.config
-        if not ray.is_initialized():
+        if not ray.is_initialized() and self._address is None and cfg.n_nodes > 1:
+            self._start_local_cluster()
+        elif not ray.is_initialized():
             kwargs: dict[str, Any] = {"address": self._address or "local"}
             if self._address is None:
                 # a fresh local Ray; logical CPU slots for every worker even on a 2-core laptop
@@ -153,6 +158,25 @@ class EPCluster:
         log.info("ray_ep: %d workers up, backend %s", cfg.world_size, backend)
         return self
 
+    def _start_local_cluster(self) -> None:
+        import torch
+
+        from .local_cluster import LocalCluster
+
+        cfg = self.config
+        use_gpu = self._use_gpu if self._use_gpu is not None else torch.cuda.device_count() >= cfg.world_size
+        # CPU workers take half a slot each
+        cpus = max(1.0, (self._num_cpus or (1.0 if use_gpu else 0.5)) * cfg.gpus_per_node) + 1
+        self._local_cluster = LocalCluster(cfg.n_nodes, cfg.gpus_per_node, use_gpu=use_gpu,
+                                           num_cpus_per_node=cpus).start()
+        try:
+            ray.init(address=self._local_cluster.address)
+        except BaseException:
+            self._local_cluster.shutdown()
+            self._local_cluster = None
+            raise
+        self._owns_ray = True
+
     def shutdown(self) -> None:
         """Free every worker's buffers, stop the workers; idempotent. Stops Ray if it started it."""
         if self._group is not None and self._group.alive:
@@ -170,6 +194,9 @@ class EPCluster:
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
+        if self._local_cluster is not None:
+            self._local_cluster.shutdown()
+            self._local_cluster = None
 
     def __enter__(self) -> "EPCluster":
         return self.start() if self._group is None else self

@@ -1,4 +1,6 @@
-"""GPU suite: the nvshmem backend on 2 and 4 GPUs against ray_ep.reference.
+"""GPU suite: the nvshmem backend on 2 and 4 GPUs against ray_ep.reference, and on 4 GPUs as
+2 nodes x 2 GPUs (two raylets on the host; ranks of the other node reached by NVSHMEM puts
+from the kernels, never by NVLink stores).
 
 Skipped without CUDA, or with fewer GPUs than a case needs. For every preset (H, E, K of the
 model; a narrow expert width F so the reference's experts stay cheap) and dispatch dtype:
@@ -9,6 +11,7 @@ on the device); and a peer that never signals must give a timeout error naming i
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -31,20 +34,39 @@ CASES = [  # (preset, dispatch dtype, tokens per rank for the reference check)
 ]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}gpu")
+@pytest.fixture(scope="module", params=[(1, 2), (1, 4), (2, 2)], ids=["2gpu", "4gpu", "2x2"])
 def cluster(request):
-    n = request.param
-    if GPUS < n:
-        pytest.skip(f"needs {n} GPUs, have {GPUS}")
-    cfg = EPConfig.preset("tiny", gpus_per_node=n, backend="nvshmem")
-    ep = EPCluster(cfg, use_gpu=True).start()
+    n_nodes, per_node = request.param
+    if GPUS < n_nodes * per_node:
+        pytest.skip(f"needs {n_nodes * per_node} GPUs, have {GPUS}")
+    if ray.is_initialized():  # a 2x2 topology starts a Ray of its own (two raylets)
+        ray.shutdown()
+    cfg = EPConfig.preset("tiny", n_nodes=n_nodes, gpus_per_node=per_node, backend="nvshmem")
+    if n_nodes > 1 and os.environ.get("RAY_EP_ONE_RAYLET"):
+        # hosts where a second raylet cannot start: one raylet, PACK placement; the kernels
+        # still reach the other emulated node only through NVSHMEM puts
+        ray.init(address="local", include_dashboard=False)
+        ep = EPCluster(cfg, use_gpu=True, placement_strategy="PACK").start()
+    else:
+        ep = EPCluster(cfg, use_gpu=True).start()
     yield ep
     ep.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def _group_cfg(cluster: EPCluster, preset: str, dtype: str, **kw) -> EPConfig:
-    return EPConfig.preset(preset, gpus_per_node=cluster.world_size, dispatch_dtype=dtype, intermediate_size=128,
-                           max_tokens_per_rank=256, **kw)
+    c = cluster.config
+    return EPConfig.preset(preset, n_nodes=c.n_nodes, gpus_per_node=c.gpus_per_node, dispatch_dtype=dtype,
+                           intermediate_size=128, max_tokens_per_rank=256, **kw)
+
+
+def test_ranks_sit_on_their_nodes(cluster):
+    info = {i["rank"]: i for i in cluster.info()}
+    cfg = cluster.config
+    assert [info[r]["node_rank"] for r in range(cfg.world_size)] == [cfg.node_of(r) for r in range(cfg.world_size)]
+    if not os.environ.get("RAY_EP_ONE_RAYLET"):
+        assert len({info[r]["node_id"] for r in range(cfg.world_size)}) == cfg.n_nodes
 
 
 @pytest.mark.parametrize("preset,dtype,tokens", CASES, ids=[f"{p}-{d}" for p, d, _ in CASES])

@@ -1,0 +1,101 @@
+"""Several Ray nodes on one host: a multi-node topology you can run without a second machine.
+
+``EPCluster`` starts one when the config has ``n_nodes > 1`` and no Ray address is given: one
+raylet per node, each owning its own share of the host's GPUs (``CUDA_VISIBLE_DEVICES`` of
+the raylet, which Ray maps its GPU ids through) or, without GPUs, its CPU slots. The worker
+group then really spreads over n nodes (STRICT_SPREAD placement, per-node bookkeeping), and
+the kernels treat ranks of other nodes as remote: NVSHMEM puts, never NVLink stores, even
+though NVLink could reach them here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def gpu_split(n_nodes: int, gpus_per_node: int, visible: str | None) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` of each emulated node: consecutive slices of the visible GPUs.
+
+    >>> gpu_split(2, 2, None)
+    ['0,1', '2,3']
+    >>> gpu_split(2, 1, "4,5,6")
+    ['4', '5']
+    """
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else None
+    need = n_nodes * gpus_per_node
+    if ids is None:
+        ids = [str(i) for i in range(need)]
+    if len(ids) < need:
+        raise ValueError(f"{n_nodes} nodes x {gpus_per_node} GPUs need {need} GPUs; CUDA_VISIBLE_DEVICES "
+                         f"lists {len(ids)} ({visible!r})")
+    return [",".join(ids[n * gpus_per_node:(n + 1) * gpus_per_node]) for n in range(n_nodes)]
+
+
+class LocalCluster:
+    """``n_nodes`` raylets on this host (``ray.cluster_utils.Cluster``), each with
+    ``gpus_per_node`` GPUs (use_gpu) or enough CPU slots for its workers."""
+
+    def __init__(self, n_nodes: int, gpus_per_node: int, *, use_gpu: bool, num_cpus_per_node: float | None = None,
+                 object_store_bytes: int = 2 * 2**30):
+        self.n_nodes, self.gpus_per_node, self.use_gpu = n_nodes, gpus_per_node, use_gpu
+        self.num_cpus_per_node = num_cpus_per_node or max(2, 2 * gpus_per_node)
+        # EP moves tensors through NVSHMEM, not the object store: a small one per node, so
+        # n raylets do not each claim 30% of the host's memory
+        self.object_store_bytes = object_store_bytes
+        self._cluster = None
+
+    @property
+    def address(self) -> str:
+        if self._cluster is None:
+            raise RuntimeError("the local cluster is not started")
+        return self._cluster.address
+
+    def start(self) -> "LocalCluster":
+        splits = gpu_split(self.n_nodes, self.gpus_per_node, os.environ.get("CUDA_VISIBLE_DEVICES")) \
+            if self.use_gpu else [None] * self.n_nodes
+        # Ray gives a raylet 30 s to register; on a cold host (first start, bytecode not yet
+        # compiled) several at once can miss that: one more try, with warm caches
+        for attempt in (1, 2):
+            try:
+                self._cluster = self._start(splits)
+                break
+            except RuntimeError as e:
+                if attempt == 2 or "timed out during startup" not in str(e):
+                    raise
+                log.warning("ray_ep: a raylet was slow to start (%s); trying once more", e)
+        log.info("ray_ep: local cluster of %d nodes at %s (GPUs %s)", self.n_nodes, self._cluster.address, splits)
+        return self
+
+    def _start(self, splits: list[str | None]):
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster()
+        try:
+            for n, devices in enumerate(splits):
+                # one host: NVSHMEM needs no network transport between these nodes
+                args = dict(num_cpus=self.num_cpus_per_node, include_dashboard=False,
+                            object_store_memory=self.object_store_bytes,
+                            env_vars={"RAY_EP_NODE": str(n), "NVSHMEM_REMOTE_TRANSPORT": "none"})
+                if devices is not None:
+                    args.update(num_gpus=self.gpus_per_node, env_vars={**args["env_vars"],
+                                                                        "CUDA_VISIBLE_DEVICES": devices})
+                else:
+                    args["num_gpus"] = 0
+                cluster.add_node(**args)
+            cluster.wait_for_nodes()
+        except Exception as e:
+            cluster.shutdown()
+            raise RuntimeError(f"could not start {self.n_nodes} Ray nodes on this host ({type(e).__name__}: {e}); "
+                               f"the raylets' logs are under /tmp/ray/session_latest/logs") from e
+        except BaseException:
+            cluster.shutdown()
+            raise
+        return cluster
+
+    def shutdown(self) -> None:
+        if self._cluster is not None:
+            self._cluster.shutdown()
+            self._cluster = None

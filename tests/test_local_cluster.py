@@ -1,0 +1,61 @@
+"""One host as several Ray nodes (ray_ep.local_cluster), and the topology arithmetic the
+kernels use: ranks are node-major, a rank's node is rank // gpus_per_node."""
+
+import pytest
+import ray
+
+from ray_ep import EPCluster
+from ray_ep.config import EPConfig
+from ray_ep.local_cluster import gpu_split
+
+
+@pytest.mark.parametrize("n,g,visible,want", [
+    (2, 2, None, ["0,1", "2,3"]),
+    (2, 1, "4,5,6", ["4", "5"]),
+    (4, 2, "0,1,2,3,4,5,6,7", ["0,1", "2,3", "4,5", "6,7"]),
+    (1, 3, " 2, 3 ,5 ", ["2,3,5"]),
+])
+def test_gpu_split(n, g, visible, want):
+    assert gpu_split(n, g, visible) == want
+
+
+def test_gpu_split_needs_enough_gpus():
+    with pytest.raises(ValueError, match=r"2 nodes x 2 GPUs need 4 GPUs; CUDA_VISIBLE_DEVICES lists 3"):
+        gpu_split(2, 2, "0,1,2")
+
+
+@pytest.mark.parametrize("n_nodes,per_node", [(1, 4), (2, 2), (4, 1), (2, 4)])
+def test_node_of_is_node_major(n_nodes, per_node):
+    cfg = EPConfig.preset("tiny", n_nodes=n_nodes, gpus_per_node=per_node, n_experts=16)
+    nodes = [cfg.node_of(r) for r in range(cfg.world_size)]
+    assert nodes == [r // per_node for r in range(cfg.world_size)]
+    assert nodes == sorted(nodes) and set(nodes) == set(range(n_nodes))
+    with pytest.raises(ValueError, match="outside"):
+        cfg.node_of(cfg.world_size)
+
+
+@pytest.fixture
+def no_ray():
+    """This test starts a Ray of its own (two raylets): none may be running."""
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def test_two_nodes_on_one_host(no_ray):
+    """n_nodes = 2 and no address: EPCluster starts two raylets, places one node's ranks on
+    each, and the MoE layer across them matches the reference; shutdown stops the raylets."""
+    cfg = EPConfig.preset("tiny", n_nodes=2, gpus_per_node=2, backend="torch")
+    with EPCluster(cfg, use_gpu=False) as ep:
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+        info = ep.info()
+        by_rank = {i["rank"]: i for i in info}
+        assert [by_rank[r]["node_rank"] for r in range(4)] == [cfg.node_of(r) for r in range(4)]
+        assert [by_rank[r]["local_rank"] for r in range(4)] == [0, 1, 0, 1]
+        node_ids = [by_rank[r]["node_id"] for r in range(4)]
+        assert node_ids[0] == node_ids[1] != node_ids[2] == node_ids[3]
+        report = ep.check(num_tokens=[5, 0, 9, 3], routing="skewed", rounds=2)
+        assert report.passed, report.table()
+    assert not ray.is_initialized()
