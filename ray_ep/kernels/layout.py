@@ -42,18 +42,11 @@ class DispatchLayout:
     rank_counts_R: torch.Tensor
 
 
-def _block_tokens(E: int, R: int, T: int) -> tuple[int, int]:
-    """(tokens per program, warps): keep the [tokens, experts] one-hot tile near 64 elements
-    per thread on a GPU. A decode-sized batch (up to 32K tile elements) gets one program with
-    up to 16 warps instead: one launch, where three small dependent launches cost more than
-    the work (measured ~45 us for T = 128, E = 256 on an H200)."""
+def _block_tokens(E: int, R: int) -> int:
+    """Tokens per program: keep the [tokens, experts] one-hot tile near 8K elements on a GPU."""
     if interpreted():
-        return 64, 4
-    e_pad = triton.next_power_of_2(max(E, R))
-    whole = triton.next_power_of_2(max(T, 1))
-    if whole * e_pad <= 32768:
-        return whole, max(4, min(16, whole * e_pad // 2048))
-    return max(1, min(128, 8192 // e_pad)), 4
+        return 64
+    return max(1, min(128, 8192 // triton.next_power_of_2(max(E, R))))
 
 
 @triton.jit
@@ -145,7 +138,7 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
     """Send-side layout of ``topk_ids_TK`` [T, K] int32 (see the module docstring).
 
     Three small launches when T spans several blocks (block counts, a scan over blocks, the
-    assignment), one when it fits a block (decode batches: see ``_block_tokens``). Ids outside [0, E) are treated as unused.
+    assignment), one when it fits a block. Ids outside [0, E) are treated as unused.
     """
     _check_ids(topk_ids_TK, world_size, experts_per_rank)
     T, K = topk_ids_TK.shape
@@ -154,11 +147,10 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
     dev = topk_ids_TK.device
     slots = torch.empty(T, R, dtype=torch.int32, device=dev)
     ordinals = torch.empty(T, K, dtype=torch.int32, device=dev)
+    totals = torch.zeros(E + R, dtype=torch.int32, device=dev)
     if T == 0:
-        totals = torch.zeros(E + R, dtype=torch.int32, device=dev)
         return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
-    totals = torch.empty(E + R, dtype=torch.int32, device=dev)  # the last program writes all of it
-    bt, warps = _block_tokens(E, R, T)
+    bt = _block_tokens(E, R)
     B = triton.cdiv(T, bt)
     e_pad, r_pad = triton.next_power_of_2(E), triton.next_power_of_2(R)
     stride_t = topk_ids_TK.stride(0)
@@ -171,8 +163,7 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
         bc = 64
         _scan_blocks_kernel[(triton.cdiv(E + R, bc),)](counts, base, B, E + R, BC=bc, BB=64)
     _layout_assign_kernel[(B,)](topk_ids_TK, stride_t, T, base, slots, ordinals, totals,
-                                K=K, L=L, E=E, R=R, HAS_BASE=B > 1, BT=bt, E_PAD=e_pad, R_PAD=r_pad,
-                                num_warps=warps)
+                                K=K, L=L, E=E, R=R, HAS_BASE=B > 1, BT=bt, E_PAD=e_pad, R_PAD=r_pad)
     return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
 
 
