@@ -365,8 +365,7 @@ def _plan_offsets(bufs: SymmetricBuffers) -> dict[str, int]:
 
 def _send_args(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: DispatchLayout,
                bufs: SymmetricBuffers) -> tuple[list, dict]:
-    fp8 = cfg.dispatch_dtype == "fp8"
-    bt, bh = tile_shape(cfg.hidden_size, x_TH.device, multiple=FP8_GROUP if fp8 else 8, elem_bytes=1 if fp8 else 2)
+    bt, bh = tile_shape(cfg.hidden_size, x_TH.device, multiple=FP8_GROUP if cfg.dispatch_dtype == "fp8" else 8)
     args = [x_TH, x_TH.stride(0), topk_ids_TK, topk_ids_TK.stride(0), topk_weights_TK, topk_weights_TK.stride(0),
             layout.token_slots_TR, layout.ordinals_TK, layout.expert_counts_E, layout.rank_counts_R]
     meta = dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(cfg.world_size),
