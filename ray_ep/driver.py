@@ -165,8 +165,8 @@ class EPCluster:
 
         cfg = self.config
         use_gpu = self._use_gpu if self._use_gpu is not None else torch.cuda.device_count() >= cfg.world_size
-        # CPU workers take half a slot each
-        cpus = max(1.0, (self._num_cpus or (1.0 if use_gpu else 0.5)) * cfg.gpus_per_node) + 1
+        # the default (2 slots per rank) holds the workers; more only if the user asked for more
+        cpus = self._num_cpus * cfg.gpus_per_node + 1 if self._num_cpus else None
         self._local_cluster = LocalCluster(cfg.n_nodes, cfg.gpus_per_node, use_gpu=use_gpu,
                                            num_cpus_per_node=cpus).start()
         try:

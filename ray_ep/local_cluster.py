@@ -11,6 +11,7 @@ though NVLink could reach them here.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,10 @@ class LocalCluster:
     def __init__(self, n_nodes: int, gpus_per_node: int, *, use_gpu: bool, num_cpus_per_node: float | None = None,
                  object_store_bytes: int = 2 * 2**30):
         self.n_nodes, self.gpus_per_node, self.use_gpu = n_nodes, gpus_per_node, use_gpu
-        self.num_cpus_per_node = num_cpus_per_node or max(2, 2 * gpus_per_node)
+        # whole CPU slots, at least 2 per rank (its worker and Ray's helpers). On the 64-core
+        # GPU host, 3.0 slots per node (what EPCluster asked for before) left every raylet
+        # unregistered after 30 s while the default started in 6 s; cause not pinned down
+        self.num_cpus_per_node = max(2 * gpus_per_node, math.ceil(num_cpus_per_node or 0))
         # EP moves tensors through NVSHMEM, not the object store: a small one per node, so
         # n raylets do not each claim 30% of the host's memory
         self.object_store_bytes = object_store_bytes

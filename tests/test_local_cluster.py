@@ -6,7 +6,7 @@ import ray
 
 from ray_ep import EPCluster
 from ray_ep.config import EPConfig
-from ray_ep.local_cluster import gpu_split
+from ray_ep.local_cluster import LocalCluster, gpu_split
 
 
 @pytest.mark.parametrize("n,g,visible,want", [
@@ -32,6 +32,12 @@ def test_node_of_is_node_major(n_nodes, per_node):
     assert nodes == sorted(nodes) and set(nodes) == set(range(n_nodes))
     with pytest.raises(ValueError, match="outside"):
         cfg.node_of(cfg.world_size)
+
+
+def test_cpu_slots_are_whole_and_hold_the_workers():
+    assert LocalCluster(2, 2, use_gpu=False).num_cpus_per_node == 4  # 2 slots per rank by default
+    assert LocalCluster(2, 2, use_gpu=False, num_cpus_per_node=6.5).num_cpus_per_node == 7
+    assert isinstance(LocalCluster(2, 1, use_gpu=False, num_cpus_per_node=3.0).num_cpus_per_node, int)
 
 
 @pytest.fixture
