@@ -714,3 +714,26 @@ def test_fused_on_concurrent_streams(world_size, dispatch, combine):
         check_twins_agree(cfg, handles, th, outs, t_outs, sim, twin)
         for ws in sim.world.workspaces:
             assert ws.epochs.tolist() == [rnd + 1, rnd + 1]
+
+
+# ---- the send's own layout (small batches) against compute_layout -----------------------------
+@pytest.mark.parametrize("T,routing,mask", [(1, "uniform", 0.0), (37, "skewed", 0.3), (256, "uniform", 0.1),
+                                            (200, "one-expert", 0.0)])
+def test_send_lays_out_its_own_tokens_like_compute_layout(T, routing, mask):
+    """Up to SELF_LAYOUT_MAX_T tokens the send kernel works out slots, ordinals and totals
+    itself; they must equal compute_layout's exactly (duplicated and masked ids included), and
+    three sends in a row must leave the workspace totals at zero."""
+    assert T <= D.SELF_LAYOUT_MAX_T
+    cfg = make_cfg(4, "bf16", "bf16", max_tokens_per_rank=256)
+    world = LocalWorld.create(cfg, device)
+    for rnd in range(3):
+        inp = make_round(cfg, [T, 0, 1, 2], seed=900 + rnd, routing=routing, mask=mask)
+        ids = inp.ids_dev[0].clone()
+        if T >= 2:  # a token naming one expert twice, as a careless router may
+            ids[1, 1] = ids[1, 0]
+        got = D.dispatch_send(cfg=cfg, x_TH=inp.x_dev[0], topk_ids_TK=ids, topk_weights_TK=inp.w_dev[0],
+                              bufs=world.bufs[0], ws=world.workspaces[0])
+        want = compute_layout_ref(topk_ids_TK=ids, world_size=4, experts_per_rank=cfg.experts_per_rank)
+        for name in ("token_slots_TR", "ordinals_TK", "expert_counts_E", "rank_counts_R"):
+            assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), name
+        assert int(world.workspaces[0].totals.abs().sum()) == 0

@@ -83,12 +83,16 @@ class Workspace:
     sends the signals (or advances the epoch) and resets its counter to 0.
     ``status`` [R + 1] int32: error bits and silent sources (see STATUS_*).
     ``scratch`` [programs, E] int32: a private table per program of a receive launch.
+    ``totals`` [E + R] int32: rows per expert and per destination rank, summed by the
+    programs of a send that lays out its own tokens (small batches); its last program reads
+    and re-zeroes them.
     """
 
     epochs: torch.Tensor
     counters: torch.Tensor
     status: torch.Tensor
     scratch: torch.Tensor
+    totals: torch.Tensor
 
     @classmethod
     def allocate(cls, cfg: EPConfig, device: torch.device | str) -> "Workspace":
@@ -99,6 +103,7 @@ class Workspace:
             counters=torch.zeros(4, dtype=torch.int32, device=device),
             status=torch.zeros(cfg.world_size + 1, dtype=torch.int32, device=device),
             scratch=torch.zeros(4 * num_sms(device), cfg.n_experts, dtype=torch.int32, device=device),
+            totals=torch.zeros(cfg.n_experts + cfg.world_size, dtype=torch.int32, device=device),
         )
 
 

@@ -94,10 +94,63 @@ class DispatchHandle:
 # for rank 1 (ints equal to 1 become constants), and in a process hosting several ranks (the
 # single-GPU tests) that compile and module load would happen while other ranks' kernels spin.
 @triton.jit
-def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
-               peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, G,
+def _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, toks, T, R, L,
+                K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BT: tl.constexpr, CH: tl.constexpr):
+    """What :func:`compute_layout` gives this block's tokens, worked out by the send itself
+    from their ids and those of every earlier token (small batches: a token scans at most
+    SELF_LAYOUT_MAX_T earlier ids, cheaper than three dependent launches). Stores slots [BT, R]
+    and ordinals [BT, K] for the rest of the send and the combine; adds the block's rows to
+    the per-expert and per-rank totals (read by the send's last program)."""
+    E = R * L
+    kk = tl.arange(0, K_PAD)
+    rr = tl.arange(0, R_PAD)
+    tm = toks < T
+    mk = tm[:, None] & (kk[None, :] < K)
+    ids = tl.load(ids_ptr + toks[:, None] * stride_ids + kk[None, :], mask=mk, other=-1)
+    valid = mk & (ids >= 0) & (ids < E)
+    goes = tl.zeros((BT, R_PAD), dtype=tl.int32)  # 1 where the token has an expert on rank r
+    for k in tl.static_range(K):
+        id_k = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
+        ok_k = tm & (id_k >= 0) & (id_k < E)
+        goes = tl.maximum(goes, ((id_k[:, None] // L == rr[None, :]) & ok_k[:, None]).to(tl.int32))
+    before_e = tl.zeros((BT, K_PAD), dtype=tl.int32)  # earlier (token, k) with the same expert
+    before_r = tl.zeros((BT, R_PAD), dtype=tl.int32)  # earlier tokens sent to rank r
+    last = tl.max(tl.where(tm, toks, 0), axis=0)
+    for j0 in range(0, last, CH):
+        jj = j0 + tl.arange(0, CH)
+        earlier = jj[None, :] < toks[:, None]
+        goes_j = tl.zeros((CH, R_PAD), dtype=tl.int32)
+        for k in tl.static_range(K):
+            idj = tl.load(ids_ptr + jj * stride_ids + k, mask=jj < T, other=-1)
+            okj = (idj >= 0) & (idj < E)
+            hit = (idj[None, None, :] == ids[:, :, None]) & (okj[None, :] & earlier)[:, None, :]
+            before_e += tl.sum(hit.to(tl.int32), axis=2)
+            goes_j = tl.maximum(goes_j, ((idj[:, None] // L == rr[None, :]) & okj[:, None]).to(tl.int32))
+        before_r += tl.sum((earlier[:, :, None] & (goes_j[None, :, :] > 0)).to(tl.int32), axis=1)
+    tl.store(slots_ptr + toks[:, None] * R + rr[None, :], tl.where(goes > 0, before_r, -1),
+             mask=tm[:, None] & (rr[None, :] < R))
+    tl.store(ordinals_ptr + toks[:, None] * K + kk[None, :], tl.where(valid, before_e, -1), mask=mk)
+    tl.atomic_add(totals_ptr + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed")
+    tl.atomic_add(totals_ptr + E + rr[None, :] + toks[:, None] * 0, 1, mask=goes > 0, sem="relaxed")
+    tl.debug_barrier()  # every thread's slots and ordinals before the send reloads them
+
+
+@triton.jit
+def _take_totals(totals_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Last program of a self-laid-out send: move the summed totals to the layout's counts
+    and leave zeros for the next launch."""
+    for i0 in range(0, n, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, tl.atomic_xchg(totals_ptr + i, 0, mask=i < n, sem="relaxed"), mask=i < n)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
+               peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, G,
                K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, FP8: tl.constexpr,
-               BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
+               BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
+               OWN_LAYOUT: tl.constexpr, CH: tl.constexpr):
     """Store this program's share of token rows and meta rows into every destination on this
     node; with REMOTE, stage them once in this rank's ``dispatch.send`` rows and put them to
     the destinations on other nodes (nodes of G ranks)."""
@@ -108,6 +161,9 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
     SG: tl.constexpr = BLOCK_H // 128 if FP8 else 1
     for blk in range(pid, tl.cdiv(T, BT), nprog):
         toks = blk * BT + tl.arange(0, BT)
+        if OWN_LAYOUT:
+            _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, toks, T, R, L,
+                        K, K_PAD, R_PAD, BT, CH)
         tm = toks < T
         mk = tm[:, None] & km[None, :]
         ids = tl.load(ids_ptr + toks[:, None] * stride_ids + kk[None, :], mask=mk, other=-1)
@@ -277,17 +333,19 @@ def _recv_layout(signal_ptr, counts_ptr, meta_ptr, target, status_ptr, scratch_p
 
 @triton.jit(do_not_specialize=["T", "rank"])
 def _dispatch_send_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
-                          expert_counts_ptr, rank_counts_ptr, peer_bases_ptr, epochs_ptr, counters_ptr,
+                          expert_counts_ptr, rank_counts_ptr, totals_ptr, peer_bases_ptr, epochs_ptr, counters_ptr,
                           off_x, off_scales, off_meta, off_counts, off_signal, off_sx, off_ss, off_sm, off_scounts,
                           T, H, N, rank, R, L, G,
                           K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
                           FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr,
-                          EMULATE: tl.constexpr):
+                          EMULATE: tl.constexpr, OWN_LAYOUT: tl.constexpr, CH: tl.constexpr):
     epoch = tl.load(epochs_ptr)
-    _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
-               peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, G,
-               K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE)
+    _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
+               peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, G,
+               K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH)
     if last_program_done(counters_ptr):
+        if OWN_LAYOUT:
+            _take_totals(totals_ptr, expert_counts_ptr, R * L + R, 256)
         _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
                  rank, R, L, G, epoch + 1, L_PAD, R_PAD, REMOTE, EMULATE)
 
@@ -308,7 +366,7 @@ def _dispatch_recv_kernel(signal_ptr, counts_ptr, meta_ptr, epochs_ptr, counters
 
 @triton.jit(do_not_specialize=["T", "rank"])
 def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
-                           expert_counts_ptr, rank_counts_ptr, peer_bases_ptr, epochs_ptr, send_counter_ptr,
+                           expert_counts_ptr, rank_counts_ptr, totals_ptr, peer_bases_ptr, epochs_ptr, send_counter_ptr,
                            recv_counter_ptr, status_ptr, scratch_ptr,
                            row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                            signal_ptr, counts_ptr, meta_ptr,
@@ -316,12 +374,15 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
                            T, H, N, rank, R, L, G, CAP, ALIGN, timeout_ns, max_spins,
                            K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
                            A_PAD: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
-                           BJ: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
+                           BJ: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
+                           OWN_LAYOUT: tl.constexpr, CH: tl.constexpr):
     epoch = tl.load(epochs_ptr)
-    _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
-               peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, G,
-               K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE)
+    _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
+               peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, G,
+               K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH)
     if last_program_done(send_counter_ptr):
+        if OWN_LAYOUT:
+            _take_totals(totals_ptr, expert_counts_ptr, R * L + R, 256)
         _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
                  rank, R, L, G, epoch + 1, L_PAD, R_PAD, REMOTE, EMULATE)
     _recv_layout(signal_ptr, counts_ptr, meta_ptr, epoch + 1, status_ptr, scratch_ptr,
@@ -363,14 +424,35 @@ def _plan_offsets(bufs: SymmetricBuffers) -> dict[str, int]:
                 off_scounts=bufs.offset("dispatch.send.counts"))
 
 
-def _send_args(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: DispatchLayout,
-               bufs: SymmetricBuffers) -> tuple[list, dict]:
+# A send lays out its own tokens (no compute_layout launches) up to this many tokens per rank:
+# each token then scans the ids of at most this many earlier ones (see _own_layout).
+SELF_LAYOUT_MAX_T = 256
+
+
+def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchLayout | None
+                     ) -> tuple[DispatchLayout, bool]:
+    """(layout, own): the caller's layout, or compute_layout's, or (small batches, ``own``)
+    empty tensors the send kernel fills itself."""
+    if layout is not None:
+        return layout, False
+    T, R, L = topk_ids_TK.shape[0], cfg.world_size, cfg.experts_per_rank
+    if T > SELF_LAYOUT_MAX_T:
+        return compute_layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L), False
+    dev = topk_ids_TK.device
+    totals = torch.empty(R * L + R, dtype=torch.int32, device=dev)  # per expert, then per rank
+    return DispatchLayout(torch.empty(T, R, dtype=torch.int32, device=dev),
+                          torch.empty(T, cfg.top_k, dtype=torch.int32, device=dev),
+                          totals[:R * L], totals[R * L:]), True
+
+
+def _send_args(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: DispatchLayout, own: bool,
+               ws: Workspace) -> tuple[list, dict]:
     bt, bh = tile_shape(cfg.hidden_size, x_TH.device, multiple=FP8_GROUP if cfg.dispatch_dtype == "fp8" else 8)
     args = [x_TH, x_TH.stride(0), topk_ids_TK, topk_ids_TK.stride(0), topk_weights_TK, topk_weights_TK.stride(0),
-            layout.token_slots_TR, layout.ordinals_TK, layout.expert_counts_E, layout.rank_counts_R]
+            layout.token_slots_TR, layout.ordinals_TK, layout.expert_counts_E, layout.rank_counts_R, ws.totals]
     meta = dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(cfg.world_size),
                 L_PAD=triton.next_power_of_2(cfg.experts_per_rank), FP8=cfg.dispatch_dtype == "fp8", BT=bt, BLOCK_H=bh,
-                **remote_meta(cfg))
+                OWN_LAYOUT=own, CH=64 if interpreted() else 32, **remote_meta(cfg))
     return args, meta
 
 
@@ -414,10 +496,8 @@ def dispatch_send(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tenso
     """
     dev = bufs.device
     check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, dev)
-    if layout is None:
-        layout = compute_layout(topk_ids_TK=topk_ids_TK, world_size=cfg.world_size,
-                                experts_per_rank=cfg.experts_per_rank)
-    args, meta = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, bufs)
+    layout, own = _layout_for_send(cfg, topk_ids_TK, layout)
+    args, meta = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, own, ws)
     args += [bufs.peer_bases, ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_SEND:],
              *_plan_offsets(bufs).values(), x_TH.shape[0], cfg.hidden_size, cfg.max_tokens_per_rank,
              bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.gpus_per_node]
@@ -456,9 +536,9 @@ def dispatch(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, to
     """Fused dispatch: send and receive in one launch (GPU; every rank must launch it at once)."""
     dev = bufs.device
     check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, dev)
-    layout = compute_layout(topk_ids_TK=topk_ids_TK, world_size=cfg.world_size, experts_per_rank=cfg.experts_per_rank)
+    layout, own = _layout_for_send(cfg, topk_ids_TK, None)
     recv = out if out is not None else RecvLayout.allocate(cfg, dev)
-    args, send_meta = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, bufs)
+    args, send_meta = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, own, ws)
     meta = {**_recv_meta(cfg), **send_meta}
     timeout_ns, max_spins = _timeouts(cfg)
     work = max(triton.cdiv(x_TH.shape[0], meta["BT"]), triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]))
