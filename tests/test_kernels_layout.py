@@ -88,7 +88,7 @@ def test_docstring_example():
 # (R, L, K): K <= E; L = 1 puts one expert per rank, K > L spreads a token over ranks
 SHAPES = [(1, 4, 2), (2, 2, 4), (3, 5, 4), (4, 4, 1), (8, 2, 4), (8, 16, 8)]
 # T: none, one, one partial block, exactly one interpreter block (64), several blocks
-# (> 64 tokens: the count / scan / assign launches run in the interpreter too)
+# (> 64 tokens: the count and assign launches run in the interpreter too)
 TOKENS = [0, 1, 7, 64, 65, 200]
 
 
@@ -134,9 +134,9 @@ def test_all_tokens_to_one_expert():
 
 
 def test_many_blocks_and_columns():
-    # E + R = 136 counters: several column chunks in the block scan; T = 4227 spans more than
-    # 64 blocks (64 tokens per block in the interpreter and for E = 128 on a GPU), so the
-    # scan carries across its row chunks too
+    # E + R = 136 counters; T = 4227 spans 67 blocks (64 tokens per block in the interpreter
+    # and for E = 128 on a GPU), so each block sums the counts of the blocks before it over
+    # several row chunks
     R, L, K, T = 8, 16, 8, 4227
     gen = torch.Generator().manual_seed(11)
     ids = random_ids(T, K, R * L, gen, masked=0.1, out_of_range=0.05).to(device)

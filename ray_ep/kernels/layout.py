@@ -81,35 +81,26 @@ def _layout_count_kernel(ids_ptr, stride_t, T, block_counts_ptr, K: tl.constexpr
     tl.store(row + E + r_idx, tl.sum(rank1h, axis=0), mask=r_idx < R)
 
 
-@triton.jit
-def _scan_blocks_kernel(counts_ptr, base_ptr, B, C, BC: tl.constexpr, BB: tl.constexpr):
-    # exclusive prefix sum down the B rows of counts [B, C], one column chunk per program
-    cols = tl.program_id(0) * BC + tl.arange(0, BC)
-    carry = tl.zeros((BC,), dtype=tl.int32)
-    for b0 in range(0, B, BB):
-        rows = b0 + tl.arange(0, BB)
-        mask = (rows[:, None] < B) & (cols[None, :] < C)
-        c = tl.load(counts_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0)
-        incl = tl.cumsum(c, axis=0)
-        tl.store(base_ptr + rows[:, None] * C + cols[None, :], incl - c + carry[None, :], mask=mask)
-        carry += tl.sum(c, axis=0)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _layout_assign_kernel(ids_ptr, stride_t, T, base_ptr, slots_ptr, ordinals_ptr, totals_ptr,
                           K: tl.constexpr, L, E, R, HAS_BASE: tl.constexpr,
-                          BT: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
+                          BT: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr, BB: tl.constexpr):
     pid = tl.program_id(0)
     t0 = pid * BT
     toks = t0 + tl.arange(0, BT)
     e_idx = tl.arange(0, E_PAD)
     r_idx = tl.arange(0, R_PAD)
+    base_e = tl.zeros((E_PAD,), dtype=tl.int32)
+    base_r = tl.zeros((R_PAD,), dtype=tl.int32)
     if HAS_BASE:
-        base_e = tl.load(base_ptr + pid * (E + R) + e_idx, mask=e_idx < E, other=0)
-        base_r = tl.load(base_ptr + pid * (E + R) + E + r_idx, mask=r_idx < R, other=0)
-    else:
-        base_e = tl.zeros((E_PAD,), dtype=tl.int32)
-        base_r = tl.zeros((R_PAD,), dtype=tl.int32)
+        # rows of the earlier blocks, summed here from their counts (base_ptr [B, E + R]):
+        # a few L2 reads instead of a scan launch between the two kernels
+        for b0 in range(0, pid, BB):
+            rows = b0 + tl.arange(0, BB)
+            m = rows[:, None] < pid
+            row = base_ptr + rows[:, None] * (E + R)
+            base_e += tl.sum(tl.load(row + e_idx[None, :], mask=m & (e_idx[None, :] < E), other=0), axis=0)
+            base_r += tl.sum(tl.load(row + E + r_idx[None, :], mask=m & (r_idx[None, :] < R), other=0), axis=0)
     exp1h, rank1h = _token_onehots(ids_ptr, stride_t, t0, T, K, L, E, R, BT, E_PAD, R_PAD)
     # rows before token t in this block, per expert / rank (exclusive scan over tokens)
     before_e = tl.cumsum(exp1h, axis=0) - exp1h + base_e[None, :]
@@ -137,8 +128,9 @@ def _check_ids(topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int
 def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int) -> DispatchLayout:
     """Send-side layout of ``topk_ids_TK`` [T, K] int32 (see the module docstring).
 
-    Three small launches when T spans several blocks (block counts, a scan over blocks, the
-    assignment), one when it fits a block. Ids outside [0, E) are treated as unused.
+    Two launches when T spans several blocks (block counts, then the assignment, each block
+    summing the counts of the blocks before it), one when it fits a block. Ids outside [0, E)
+    are treated as unused. (Small batches skip this: the send lays them out itself.)
     """
     _check_ids(topk_ids_TK, world_size, experts_per_rank)
     T, K = topk_ids_TK.shape
@@ -147,23 +139,22 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
     dev = topk_ids_TK.device
     slots = torch.empty(T, R, dtype=torch.int32, device=dev)
     ordinals = torch.empty(T, K, dtype=torch.int32, device=dev)
-    totals = torch.zeros(E + R, dtype=torch.int32, device=dev)
     if T == 0:
+        totals = torch.zeros(E + R, dtype=torch.int32, device=dev)
         return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
+    totals = torch.empty(E + R, dtype=torch.int32, device=dev)  # the last block writes all of it
     bt = _block_tokens(E, R)
     B = triton.cdiv(T, bt)
     e_pad, r_pad = triton.next_power_of_2(E), triton.next_power_of_2(R)
     stride_t = topk_ids_TK.stride(0)
-    base = totals  # unused placeholder when there is a single block
+    counts = totals  # unused placeholder when there is a single block
     if B > 1:
         counts = torch.empty(B, E + R, dtype=torch.int32, device=dev)
-        base = torch.empty_like(counts)
         _layout_count_kernel[(B,)](topk_ids_TK, stride_t, T, counts, K=K, L=L, E=E, R=R,
                                    BT=bt, E_PAD=e_pad, R_PAD=r_pad)
-        bc = 64
-        _scan_blocks_kernel[(triton.cdiv(E + R, bc),)](counts, base, B, E + R, BC=bc, BB=64)
-    _layout_assign_kernel[(B,)](topk_ids_TK, stride_t, T, base, slots, ordinals, totals,
-                                K=K, L=L, E=E, R=R, HAS_BASE=B > 1, BT=bt, E_PAD=e_pad, R_PAD=r_pad)
+    _layout_assign_kernel[(B,)](topk_ids_TK, stride_t, T, counts, slots, ordinals, totals,
+                                K=K, L=L, E=E, R=R, HAS_BASE=B > 1, BT=bt, E_PAD=e_pad, R_PAD=r_pad,
+                                BB=16 if E + R > 256 else 64)
     return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
 
 
