@@ -1,5 +1,5 @@
-"""GPU suite: the nvshmem backend on 2 and 4 GPUs against ray_ep.reference, and on 4 GPUs as
-2 nodes x 2 GPUs (two raylets on the host; ranks of the other node reached by NVSHMEM puts
+"""GPU suite: the nvshmem backend on 2, 4 and 8 GPUs against ray_ep.reference, and as 2 nodes
+x 2 (or x 4) GPUs on one host (two raylets; ranks of the other node reached by NVSHMEM puts
 from the kernels, never by NVLink stores).
 
 Skipped without CUDA, or with fewer GPUs than a case needs. For every preset (H, E, K of the
@@ -34,7 +34,11 @@ CASES = [  # (preset, dispatch dtype, tokens per rank for the reference check)
 ]
 
 
-@pytest.fixture(scope="module", params=[(1, 2), (1, 4), (2, 2)], ids=["2gpu", "4gpu", "2x2"])
+# (nodes, GPUs per node); each case skips on a host with fewer GPUs (8-GPU ones: EP8 hosts)
+TOPOLOGIES = [(1, 2), (1, 4), (2, 2), (1, 8), (2, 4)]
+
+
+@pytest.fixture(scope="module", params=TOPOLOGIES, ids=["2gpu", "4gpu", "2x2", "8gpu", "2x4"])
 def cluster(request):
     n_nodes, per_node = request.param
     if GPUS < n_nodes * per_node:
