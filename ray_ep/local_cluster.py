@@ -78,11 +78,11 @@ class LocalCluster:
 
         cluster = Cluster()
         try:
-            for n, devices in enumerate(splits):
+            for devices in splits:
                 # one host: NVSHMEM needs no network transport between these nodes
                 args = dict(num_cpus=self.num_cpus_per_node, include_dashboard=False,
                             object_store_memory=self.object_store_bytes,
-                            env_vars={"RAY_EP_NODE": str(n), "NVSHMEM_REMOTE_TRANSPORT": "none"})
+                            env_vars={"NVSHMEM_REMOTE_TRANSPORT": "none"})
                 if devices is not None:
                     args.update(num_gpus=self.gpus_per_node, env_vars={**args["env_vars"],
                                                                         "CUDA_VISIBLE_DEVICES": devices})

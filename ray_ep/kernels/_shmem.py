@@ -47,31 +47,31 @@ def extern_libs() -> dict[str, str]:
     return {"libnvshmem_device": device_bitcode()}
 
 
+def _call(symbol: str, args: list, types: tuple, _semantic):
+    """A call of NVSHMEM device function ``symbol`` (void, declared as int32 for Triton) on
+    scalar arguments of exactly ``types``."""
+    return core.extern_elementwise("", "", args, {types: (symbol, _I32)}, is_pure=False, _semantic=_semantic)
+
+
 @core.extern
 def _putmem_nbi_block(dst, src, nbytes, pe, _semantic=None):
-    return core.extern_elementwise("", "", [dst, src, nbytes, pe],
-                                   {(_I64, _I64, _I64, _I32): ("nvshmemx_putmem_nbi_block", _I32)},
-                                   is_pure=False, _semantic=_semantic)
+    return _call("nvshmemx_putmem_nbi_block", [dst, src, nbytes, pe], (_I64, _I64, _I64, _I32), _semantic)
 
 
 @core.extern
 def _putmem_signal_nbi_block(dst, src, nbytes, sig, value, op, pe, _semantic=None):
-    return core.extern_elementwise("", "", [dst, src, nbytes, sig, value, op, pe],
-                                   {(_I64, _I64, _I64, _I64, _U64, _I32, _I32):
-                                    ("nvshmemx_putmem_signal_nbi_block", _I32)},
-                                   is_pure=False, _semantic=_semantic)
+    return _call("nvshmemx_putmem_signal_nbi_block", [dst, src, nbytes, sig, value, op, pe],
+                 (_I64, _I64, _I64, _I64, _U64, _I32, _I32), _semantic)
 
 
 @core.extern
 def _signal_op(sig, value, op, pe, _semantic=None):
-    return core.extern_elementwise("", "", [sig, value, op, pe],
-                                   {(_I64, _U64, _I32, _I32): ("nvshmemx_signal_op", _I32)},
-                                   is_pure=False, _semantic=_semantic)
+    return _call("nvshmemx_signal_op", [sig, value, op, pe], (_I64, _U64, _I32, _I32), _semantic)
 
 
 @core.extern
 def _quiet(_semantic=None):
-    return core.extern_elementwise("", "", [], {(): ("nvshmem_quiet", _I32)}, is_pure=False, _semantic=_semantic)
+    return _call("nvshmem_quiet", [], (), _semantic)
 
 
 @triton.jit

@@ -94,11 +94,17 @@ class DispatchHandle:
 # for rank 1 (ints equal to 1 become constants), and in a process hosting several ranks (the
 # single-GPU tests) that compile and module load would happen while other ranks' kernels spin.
 @triton.jit
+def _on_rank(ids, ok, L, rr):
+    """[n, R_PAD] int32: 1 where expert ids[i] (if ok[i]) lives on rank rr[r] (L experts each)."""
+    return ((ids[:, None] // L == rr[None, :]) & ok[:, None]).to(tl.int32)
+
+
+@triton.jit
 def _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, toks, T, R, L,
                 K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BT: tl.constexpr, CH: tl.constexpr):
     """What :func:`compute_layout` gives this block's tokens, worked out by the send itself
     from their ids and those of every earlier token (small batches: a token scans at most
-    SELF_LAYOUT_MAX_T earlier ids, cheaper than three dependent launches). Stores slots [BT, R]
+    SELF_LAYOUT_MAX_T earlier ids, cheaper than the layout's own launches). Stores slots [BT, R]
     and ordinals [BT, K] for the rest of the send and the combine; adds the block's rows to
     the per-expert and per-rank totals (read by the send's last program)."""
     E = R * L
@@ -111,8 +117,7 @@ def _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, toks, 
     goes = tl.zeros((BT, R_PAD), dtype=tl.int32)  # 1 where the token has an expert on rank r
     for k in tl.static_range(K):
         id_k = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
-        ok_k = tm & (id_k >= 0) & (id_k < E)
-        goes = tl.maximum(goes, ((id_k[:, None] // L == rr[None, :]) & ok_k[:, None]).to(tl.int32))
+        goes = tl.maximum(goes, _on_rank(id_k, tm & (id_k >= 0) & (id_k < E), L, rr))
     before_e = tl.zeros((BT, K_PAD), dtype=tl.int32)  # earlier (token, k) with the same expert
     before_r = tl.zeros((BT, R_PAD), dtype=tl.int32)  # earlier tokens sent to rank r
     last = tl.max(tl.where(tm, toks, 0), axis=0)
@@ -125,7 +130,7 @@ def _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, toks, 
             okj = (idj >= 0) & (idj < E)
             hit = (idj[None, None, :] == ids[:, :, None]) & (okj[None, :] & earlier)[:, None, :]
             before_e += tl.sum(hit.to(tl.int32), axis=2)
-            goes_j = tl.maximum(goes_j, ((idj[:, None] // L == rr[None, :]) & okj[:, None]).to(tl.int32))
+            goes_j = tl.maximum(goes_j, _on_rank(idj, okj, L, rr))
         before_r += tl.sum((earlier[:, :, None] & (goes_j[None, :, :] > 0)).to(tl.int32), axis=1)
     tl.store(slots_ptr + toks[:, None] * R + rr[None, :], tl.where(goes > 0, before_r, -1),
              mask=tm[:, None] & (rr[None, :] < R))

@@ -60,11 +60,6 @@ def _uid_from_bytes(raw: bytes):
 
 _runtime: dict = {}  # the process's NVSHMEM runtime: one init per process, many transports
 
-# kernels that may call NVSHMEM (their multi-node variants link the device library)
-_NVSHMEM_KERNELS = frozenset({"_dispatch_send_kernel", "_dispatch_fused_kernel", "_combine_send_kernel",
-                              "_combine_fused_kernel"})
-
-
 def _uses_nvshmem(module: int) -> bool:
     """True when a loaded CUDA module holds NVSHMEM's device state (it linked the library)."""
     from cuda.bindings import driver
@@ -76,7 +71,7 @@ def _uses_nvshmem(module: int) -> bool:
 def _register_module(module, function, name, metadata_group, hash) -> None:
     """Triton kernel-load hook: hand NVSHMEM every module that links its device library,
     before the module's first launch (a module without it would read a zeroed device state)."""
-    if name not in _NVSHMEM_KERNELS or not _runtime or not _uses_nvshmem(module):
+    if not _runtime or not _uses_nvshmem(module):
         return
     import nvshmem.bindings as nvb
 
