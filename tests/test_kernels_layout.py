@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from ray_ep.errors import EPInputError  # noqa: E402
-from ray_ep.kernels.layout import DispatchLayout, compute_layout, compute_layout_ref  # noqa: E402
+from ray_ep.kernels.layout import (DispatchLayout, block_bases, block_bases_ref, block_tokens,  # noqa: E402
+                                  compute_layout, compute_layout_ref)
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 # triton 3.6's interpreter turns 1-element arrays into Python ints through a numpy path that
@@ -141,6 +142,32 @@ def test_many_blocks_and_columns():
     gen = torch.Generator().manual_seed(11)
     ids = random_ids(T, K, R * L, gen, masked=0.1, out_of_range=0.05).to(device)
     check_equal(ids, R, L)
+
+
+@pytest.mark.parametrize("T", [0, 1, 16, 17, 150, 1000])
+def test_block_bases(T):
+    """Bases of each layout block (rows of the earlier blocks per expert and rank) and the
+    totals: kernel, twin and a plain loop agree."""
+    R, L, K = 4, 8, 4
+    gen = torch.Generator().manual_seed(T)
+    ids = random_ids(T, K, R * L, gen, masked=0.1, out_of_range=0.05).to(device)
+    bases, totals = block_bases(topk_ids_TK=ids, world_size=R, experts_per_rank=L)
+    want_b, want_t = block_bases_ref(topk_ids_TK=ids, world_size=R, experts_per_rank=L)
+    assert torch.equal(bases.cpu(), want_b.cpu()) and torch.equal(totals.cpu(), want_t.cpu())
+    bt = block_tokens()
+    assert bases.shape == (max(1, -(-T // bt)), R * L + R)
+    run = [0] * (R * L + R)
+    for t, row in enumerate(ids.cpu().tolist()):
+        if t % bt == 0:
+            assert bases[t // bt].tolist() == run, t
+        ranks = set()
+        for e in row:
+            if 0 <= e < R * L:
+                run[e] += 1
+                ranks.add(e // L)
+        for r in ranks:
+            run[R * L + r] += 1
+    assert totals.tolist() == run
 
 
 @pytest.mark.parametrize("T", [5, 100], ids=lambda t: f"T{t}")
