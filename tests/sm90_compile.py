@@ -31,25 +31,28 @@ def record_launches(cfg) -> list[tuple]:
 
     seen: list[tuple] = []
 
-    def fake_launch(kernel, *, work, device, budget, resident, args, meta):
+    def fake_launch(kernel, *, work, device, budget, resident, args, meta, warps=4):
         seen.append((kernel, args, meta))
 
     for mod in (_util, dispatch, combine):
         mod.launch = fake_launch
-    dispatch.compute_layout = layout.compute_layout_ref  # the layout kernels launch directly
+    dispatch.block_bases = layout.block_bases_ref  # the layout kernels launch directly
+    dispatch.compute_layout = layout.compute_layout_ref
     world = LocalWorld.create(cfg, device="cpu")
     bufs, ws = world.bufs[0], world.workspaces[0]
-    T, K = cfg.max_tokens_per_rank, cfg.top_k
-    x = torch.zeros(T, cfg.hidden_size, dtype=torch.bfloat16)
-    ids = torch.zeros(T, K, dtype=torch.int32)
-    w = torch.zeros(T, K)
+    K = cfg.top_k
     y = torch.zeros(cfg.max_recv_rows, cfg.hidden_size, dtype=torch.bfloat16)
-    h = dispatch.dispatch(cfg=cfg, x_TH=x, topk_ids_TK=ids, topk_weights_TK=w, bufs=bufs, ws=ws, check=False)
-    combine.combine(cfg=cfg, y_MH=y, handle=h, bufs=bufs, ws=ws, check=False)
-    lay = dispatch.dispatch_send(cfg=cfg, x_TH=x, topk_ids_TK=ids, topk_weights_TK=w, bufs=bufs, ws=ws)
-    h = dispatch.dispatch_recv(cfg=cfg, layout=lay, bufs=bufs, ws=ws, num_tokens=T, check=False)
-    combine.combine_send(cfg=cfg, y_MH=y, handle=h, bufs=bufs, ws=ws)
-    combine.combine_recv(cfg=cfg, handle=h, bufs=bufs, ws=ws, check=False)
+    # a small batch (the send scans every earlier token) and a full one (from block_bases)
+    for T in (min(64, cfg.max_tokens_per_rank), cfg.max_tokens_per_rank):
+        x = torch.zeros(T, cfg.hidden_size, dtype=torch.bfloat16)
+        ids = torch.zeros(T, K, dtype=torch.int32)
+        w = torch.zeros(T, K)
+        h = dispatch.dispatch(cfg=cfg, x_TH=x, topk_ids_TK=ids, topk_weights_TK=w, bufs=bufs, ws=ws, check=False)
+        combine.combine(cfg=cfg, y_MH=y, handle=h, bufs=bufs, ws=ws, check=False)
+        lay = dispatch.dispatch_send(cfg=cfg, x_TH=x, topk_ids_TK=ids, topk_weights_TK=w, bufs=bufs, ws=ws)
+        h = dispatch.dispatch_recv(cfg=cfg, layout=lay, bufs=bufs, ws=ws, num_tokens=T, check=False)
+        combine.combine_send(cfg=cfg, y_MH=y, handle=h, bufs=bufs, ws=ws)
+        combine.combine_recv(cfg=cfg, handle=h, bufs=bufs, ws=ws, check=False)
     return seen
 
 
@@ -86,7 +89,8 @@ def main() -> int:
     from ray_ep.config import EPConfig
 
     cfg = EPConfig.preset("tiny", n_nodes=2 if a.multi_node else 1, gpus_per_node=2,
-                          dispatch_dtype="fp8" if a.fp8 else "bf16", hidden_size=256)
+                          dispatch_dtype="fp8" if a.fp8 else "bf16", hidden_size=256,
+                          max_tokens_per_rank=512)
     bitcode = a.bitcode
     if a.multi_node and bitcode is None:
         try:

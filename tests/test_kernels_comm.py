@@ -716,15 +716,16 @@ def test_fused_on_concurrent_streams(world_size, dispatch, combine):
             assert ws.epochs.tolist() == [rnd + 1, rnd + 1]
 
 
-# ---- the send's own layout (small batches) against compute_layout -----------------------------
+# ---- the send's own layout against compute_layout --------------------------------------------
 @pytest.mark.parametrize("T,routing,mask", [(1, "uniform", 0.0), (37, "skewed", 0.3), (256, "uniform", 0.1),
-                                            (200, "one-expert", 0.0)])
+                                            (200, "one-expert", 0.0), (257, "uniform", 0.1),
+                                            (300, "skewed", 0.2), (333, "one-expert", 0.0)])
 def test_send_lays_out_its_own_tokens_like_compute_layout(T, routing, mask):
-    """Up to SELF_LAYOUT_MAX_T tokens the send kernel works out slots, ordinals and totals
-    itself; they must equal compute_layout's exactly (duplicated and masked ids included), and
-    three sends in a row must leave the workspace totals at zero."""
-    assert T <= D.SELF_LAYOUT_MAX_T
-    cfg = make_cfg(4, "bf16", "bf16", max_tokens_per_rank=256)
+    """The send kernel works out slots, ordinals and totals itself: up to SELF_LAYOUT_MAX_T
+    tokens by scanning every earlier token, beyond it from block_bases (scanning only its
+    layout block). Both must equal compute_layout's exactly (duplicated and masked ids
+    included), and three sends in a row must leave the workspace totals at zero."""
+    cfg = make_cfg(4, "bf16", "bf16", max_tokens_per_rank=max(T, 256))
     world = LocalWorld.create(cfg, device)
     for rnd in range(3):
         inp = make_round(cfg, [T, 0, 1, 2], seed=900 + rnd, routing=routing, mask=mask)

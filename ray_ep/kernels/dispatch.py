@@ -36,13 +36,17 @@ from ..config import FP8_GROUP, EPConfig
 from ..errors import EPInputError
 from ._shmem import other_node, put_bytes, put_signal, quiet, staged
 from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signals, wait_signals
-from ._util import check_tensor, interpreted, launch, remote_meta, tile_shape
+from ._util import check_tensor, comm_tile, interpreted, launch, remote_meta
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW,
                       SymmetricBuffers, Workspace, check_status)
-from .layout import DispatchLayout, compute_layout, compute_layout_ref
+from .layout import DispatchLayout, block_bases, block_tokens, compute_layout, compute_layout_ref
 from .quant import quantize_group
 
 _STATUS_OVERFLOW = tl.constexpr(STATUS_OVERFLOW)
+# where the send's slots and ordinals come from (see _own_layout)
+LAYOUT_GIVEN = tl.constexpr(0)  # the caller's DispatchLayout
+LAYOUT_SCANNED = tl.constexpr(1)  # the send scans every earlier token (small batches)
+LAYOUT_FROM_BASES = tl.constexpr(2)  # the send scans its layout block, plus block_bases
 
 
 @dataclass(frozen=True)
@@ -100,13 +104,18 @@ def _on_rank(ids, ok, L, rr):
 
 
 @triton.jit
-def _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, toks, T, R, L,
-                K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BT: tl.constexpr, CH: tl.constexpr):
-    """What :func:`compute_layout` gives this block's tokens, worked out by the send itself
-    from their ids and those of every earlier token (small batches: a token scans at most
-    SELF_LAYOUT_MAX_T earlier ids, cheaper than the layout's own launches). Stores slots [BT, R]
-    and ordinals [BT, K] for the rest of the send and the combine; adds the block's rows to
-    the per-expert and per-rank totals (read by the send's last program)."""
+def _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, bases_ptr, toks, T, R, L,
+                K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BT: tl.constexpr, CH: tl.constexpr,
+                BASES: tl.constexpr, SB: tl.constexpr):
+    """What :func:`compute_layout` gives this block's tokens, worked out by the send itself,
+    so no layout launch sits between the caller and the first row on the wire.
+
+    Without BASES (small batches) a token scans the ids of every earlier token (at most
+    SELF_LAYOUT_MAX_T) and the block's rows are added to the per-expert and per-rank totals
+    (read by the send's last program). With BASES (:func:`block_bases`, layout blocks of SB
+    tokens) it scans only the earlier tokens of its layout block and adds that block's base
+    row; the totals are already known. Stores slots [BT, R] and ordinals [BT, K] for the rest
+    of the send and for the combine."""
     E = R * L
     kk = tl.arange(0, K_PAD)
     rr = tl.arange(0, R_PAD)
@@ -118,12 +127,19 @@ def _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, toks, 
     for k in tl.static_range(K):
         id_k = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
         goes = tl.maximum(goes, _on_rank(id_k, tm & (id_k >= 0) & (id_k < E), L, rr))
-    before_e = tl.zeros((BT, K_PAD), dtype=tl.int32)  # earlier (token, k) with the same expert
-    before_r = tl.zeros((BT, R_PAD), dtype=tl.int32)  # earlier tokens sent to rank r
+    if BASES:
+        lo = toks // SB * SB  # first token of each token's layout block
+        base = bases_ptr + (toks // SB)[:, None] * (E + R)
+        before_e = tl.load(base + tl.where(valid, ids, 0), mask=valid, other=0)
+        before_r = tl.load(base + E + rr[None, :], mask=tm[:, None] & (rr[None, :] < R), other=0)
+    else:
+        lo = toks * 0
+        before_e = tl.zeros((BT, K_PAD), dtype=tl.int32)  # earlier (token, k) with the same expert
+        before_r = tl.zeros((BT, R_PAD), dtype=tl.int32)  # earlier tokens sent to rank r
     last = tl.max(tl.where(tm, toks, 0), axis=0)
-    for j0 in range(0, last, CH):
+    for j0 in range(tl.min(tl.where(tm, lo, last), axis=0), last, CH):
         jj = j0 + tl.arange(0, CH)
-        earlier = jj[None, :] < toks[:, None]
+        earlier = (jj[None, :] < toks[:, None]) & (jj[None, :] >= lo[:, None])
         goes_j = tl.zeros((CH, R_PAD), dtype=tl.int32)
         for k in tl.static_range(K):
             idj = tl.load(ids_ptr + jj * stride_ids + k, mask=jj < T, other=-1)
@@ -135,8 +151,9 @@ def _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, toks, 
     tl.store(slots_ptr + toks[:, None] * R + rr[None, :], tl.where(goes > 0, before_r, -1),
              mask=tm[:, None] & (rr[None, :] < R))
     tl.store(ordinals_ptr + toks[:, None] * K + kk[None, :], tl.where(valid, before_e, -1), mask=mk)
-    tl.atomic_add(totals_ptr + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed")
-    tl.atomic_add(totals_ptr + E + rr[None, :] + toks[:, None] * 0, 1, mask=goes > 0, sem="relaxed")
+    if not BASES:
+        tl.atomic_add(totals_ptr + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed")
+        tl.atomic_add(totals_ptr + E + rr[None, :] + toks[:, None] * 0, 1, mask=goes > 0, sem="relaxed")
     tl.debug_barrier()  # every thread's slots and ordinals before the send reloads them
 
 
@@ -152,10 +169,10 @@ def _take_totals(totals_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
-               peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, G,
+               bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, G,
                K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, FP8: tl.constexpr,
                BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
-               OWN_LAYOUT: tl.constexpr, CH: tl.constexpr):
+               OWN_LAYOUT: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr):
     """Store this program's share of token rows and meta rows into every destination on this
     node; with REMOTE, stage them once in this rank's ``dispatch.send`` rows and put them to
     the destinations on other nodes (nodes of G ranks)."""
@@ -166,9 +183,9 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
     SG: tl.constexpr = BLOCK_H // 128 if FP8 else 1
     for blk in range(pid, tl.cdiv(T, BT), nprog):
         toks = blk * BT + tl.arange(0, BT)
-        if OWN_LAYOUT:
-            _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, toks, T, R, L,
-                        K, K_PAD, R_PAD, BT, CH)
+        if OWN_LAYOUT != LAYOUT_GIVEN:
+            _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, bases_ptr, toks, T, R, L,
+                        K, K_PAD, R_PAD, BT, CH, OWN_LAYOUT == LAYOUT_FROM_BASES, SB)
         tm = toks < T
         mk = tm[:, None] & km[None, :]
         ids = tl.load(ids_ptr + toks[:, None] * stride_ids + kk[None, :], mask=mk, other=-1)
@@ -338,18 +355,20 @@ def _recv_layout(signal_ptr, counts_ptr, meta_ptr, target, status_ptr, scratch_p
 
 @triton.jit(do_not_specialize=["T", "rank"])
 def _dispatch_send_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
-                          expert_counts_ptr, rank_counts_ptr, totals_ptr, peer_bases_ptr, epochs_ptr, counters_ptr,
+                          expert_counts_ptr, rank_counts_ptr, totals_ptr, bases_ptr, peer_bases_ptr, epochs_ptr,
+                          counters_ptr,
                           off_x, off_scales, off_meta, off_counts, off_signal, off_sx, off_ss, off_sm, off_scounts,
                           T, H, N, rank, R, L, G,
                           K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
                           FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr,
-                          EMULATE: tl.constexpr, OWN_LAYOUT: tl.constexpr, CH: tl.constexpr):
+                          EMULATE: tl.constexpr, OWN_LAYOUT: tl.constexpr, CH: tl.constexpr,
+                          SB: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
-               peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, G,
-               K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH)
+               bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, G,
+               K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB)
     if last_program_done(counters_ptr):
-        if OWN_LAYOUT:
+        if OWN_LAYOUT == LAYOUT_SCANNED:
             _take_totals(totals_ptr, expert_counts_ptr, R * L + R, 256)
         _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
                  rank, R, L, G, epoch + 1, L_PAD, R_PAD, REMOTE, EMULATE)
@@ -371,7 +390,8 @@ def _dispatch_recv_kernel(signal_ptr, counts_ptr, meta_ptr, epochs_ptr, counters
 
 @triton.jit(do_not_specialize=["T", "rank"])
 def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
-                           expert_counts_ptr, rank_counts_ptr, totals_ptr, peer_bases_ptr, epochs_ptr, send_counter_ptr,
+                           expert_counts_ptr, rank_counts_ptr, totals_ptr, bases_ptr, peer_bases_ptr, epochs_ptr,
+                           send_counter_ptr,
                            recv_counter_ptr, status_ptr, scratch_ptr,
                            row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                            signal_ptr, counts_ptr, meta_ptr,
@@ -380,13 +400,13 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
                            K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
                            A_PAD: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
                            BJ: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
-                           OWN_LAYOUT: tl.constexpr, CH: tl.constexpr):
+                           OWN_LAYOUT: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
-               peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, G,
-               K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH)
+               bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, G,
+               K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB)
     if last_program_done(send_counter_ptr):
-        if OWN_LAYOUT:
+        if OWN_LAYOUT == LAYOUT_SCANNED:
             _take_totals(totals_ptr, expert_counts_ptr, R * L + R, 256)
         _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
                  rank, R, L, G, epoch + 1, L_PAD, R_PAD, REMOTE, EMULATE)
@@ -434,31 +454,44 @@ def _plan_offsets(bufs: SymmetricBuffers) -> dict[str, int]:
 SELF_LAYOUT_MAX_T = 256
 
 
-def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchLayout | None
-                     ) -> tuple[DispatchLayout, bool]:
-    """(layout, own): the caller's layout, or compute_layout's, or (small batches, ``own``)
-    empty tensors the send kernel fills itself."""
+def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchLayout | None,
+                     budget: int | None) -> tuple[DispatchLayout, int, torch.Tensor | None]:
+    """(layout, how, bases): the caller's layout (LAYOUT_GIVEN), or tensors the send fills
+    itself: scanning every earlier token (LAYOUT_SCANNED, small batches) or from the bases
+    of :func:`block_bases` (LAYOUT_FROM_BASES, which also gives the totals).
+
+    Under an SM budget large batches take compute_layout's launches instead: a few programs
+    would work out every token's layout one after the other (prefill at 24 programs: 900 us
+    from bases, 815 us with compute_layout)."""
     if layout is not None:
-        return layout, False
+        return layout, LAYOUT_GIVEN, None
     T, R, L = topk_ids_TK.shape[0], cfg.world_size, cfg.experts_per_rank
-    if T > SELF_LAYOUT_MAX_T:
-        return compute_layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L), False
     dev = topk_ids_TK.device
-    totals = torch.empty(R * L + R, dtype=torch.int32, device=dev)  # per expert, then per rank
+    if T > SELF_LAYOUT_MAX_T and budget and not interpreted():
+        return compute_layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L), LAYOUT_GIVEN, None
+    if T > SELF_LAYOUT_MAX_T:
+        bases, totals = block_bases(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L)
+        how = LAYOUT_FROM_BASES
+    else:
+        bases, totals = None, torch.empty(R * L + R, dtype=torch.int32, device=dev)  # per expert, then per rank
+        how = LAYOUT_SCANNED
     return DispatchLayout(torch.empty(T, R, dtype=torch.int32, device=dev),
                           torch.empty(T, cfg.top_k, dtype=torch.int32, device=dev),
-                          totals[:R * L], totals[R * L:]), True
+                          totals[:R * L], totals[R * L:]), how, bases
 
 
-def _send_args(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: DispatchLayout, own: bool,
-               ws: Workspace) -> tuple[list, dict]:
-    bt, bh = tile_shape(cfg.hidden_size, x_TH.device, multiple=FP8_GROUP if cfg.dispatch_dtype == "fp8" else 8)
+def _send_args(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: DispatchLayout, how: int,
+               bases: torch.Tensor | None, ws: Workspace, budget: int | None) -> tuple[list, dict, int]:
+    """Arguments, constexprs and warps of a send (its tile depends on the SM budget)."""
+    bt, bh, warps = comm_tile(cfg.hidden_size, x_TH.device, budget, "dispatch",
+                              multiple=FP8_GROUP if cfg.dispatch_dtype == "fp8" else 8)
     args = [x_TH, x_TH.stride(0), topk_ids_TK, topk_ids_TK.stride(0), topk_weights_TK, topk_weights_TK.stride(0),
-            layout.token_slots_TR, layout.ordinals_TK, layout.expert_counts_E, layout.rank_counts_R, ws.totals]
+            layout.token_slots_TR, layout.ordinals_TK, layout.expert_counts_E, layout.rank_counts_R, ws.totals,
+            bases if bases is not None else ws.totals]
     meta = dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(cfg.world_size),
                 L_PAD=triton.next_power_of_2(cfg.experts_per_rank), FP8=cfg.dispatch_dtype == "fp8", BT=bt, BLOCK_H=bh,
-                OWN_LAYOUT=own, CH=64 if interpreted() else 32, **remote_meta(cfg))
-    return args, meta
+                OWN_LAYOUT=int(how), CH=64 if interpreted() else 32, SB=block_tokens(), **remote_meta(cfg))
+    return args, meta, warps
 
 
 def _scratch_cap(ws: Workspace, budget: int | None) -> int:
@@ -501,13 +534,14 @@ def dispatch_send(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tenso
     """
     dev = bufs.device
     check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, dev)
-    layout, own = _layout_for_send(cfg, topk_ids_TK, layout)
-    args, meta = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, own, ws)
+    budget = num_sms or cfg.num_sms
+    layout, how, bases = _layout_for_send(cfg, topk_ids_TK, layout, budget)
+    args, meta, warps = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, ws, budget)
     args += [bufs.peer_bases, ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_SEND:],
              *_plan_offsets(bufs).values(), x_TH.shape[0], cfg.hidden_size, cfg.max_tokens_per_rank,
              bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.gpus_per_node]
     launch(_dispatch_send_kernel, work=triton.cdiv(x_TH.shape[0], meta["BT"]), device=dev,
-           budget=num_sms or cfg.num_sms, resident=False, args=args, meta=meta)
+           budget=budget, resident=False, args=args, meta=meta, warps=warps)
     return layout
 
 
@@ -541,9 +575,10 @@ def dispatch(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, to
     """Fused dispatch: send and receive in one launch (GPU; every rank must launch it at once)."""
     dev = bufs.device
     check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, dev)
-    layout, own = _layout_for_send(cfg, topk_ids_TK, None)
+    budget = num_sms or cfg.num_sms
+    layout, how, bases = _layout_for_send(cfg, topk_ids_TK, None, budget)
     recv = out if out is not None else RecvLayout.allocate(cfg, dev)
-    args, send_meta = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, own, ws)
+    args, send_meta, warps = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, ws, budget)
     meta = {**_recv_meta(cfg), **send_meta}
     timeout_ns, max_spins = _timeouts(cfg)
     work = max(triton.cdiv(x_TH.shape[0], meta["BT"]), triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]))
@@ -555,8 +590,8 @@ def dispatch(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, to
              bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.gpus_per_node, cfg.max_recv_rows,
              cfg.expert_alignment,
              timeout_ns, max_spins]
-    launch(_dispatch_fused_kernel, work=work, device=dev, budget=_scratch_cap(ws, num_sms or cfg.num_sms),
-           resident=True, args=args, meta=meta)
+    launch(_dispatch_fused_kernel, work=work, device=dev, budget=_scratch_cap(ws, budget),
+           resident=True, args=args, meta=meta, warps=warps)
     if check:
         check_status(ws, bufs.rank, "dispatch")
     return _handle(cfg, bufs, layout, recv, x_TH.shape[0])
