@@ -68,31 +68,28 @@ def release_signals(peer_bases_ptr, R, G, signal_offset_bytes, slot, value, R_PA
 
 
 @triton.jit
-def live_blocks(counts_ptr, count_stride, R, first_source, BJ: tl.constexpr, R_PAD: tl.constexpr):
-    """Blocks of BJ rows that hold received rows, source by source starting at
-    ``first_source`` (sources in the order first_source, first_source + 1, ... mod R):
-    (rows per position [R_PAD], first block of each position [R_PAD], total blocks).
+def live_blocks(counts_ptr, count_stride, R, BJ: tl.constexpr, R_PAD: tl.constexpr):
+    """Blocks of BJ rows that hold received rows, source by source: (rows per source
+    [R_PAD], first block of each source [R_PAD], total blocks).
 
     Loops visit only these blocks, so an empty receive region costs nothing (the host never
-    knows the counts). Starting each rank at another source spreads the traffic of kernels
-    that write back to the sources over every peer instead of all ranks hitting one peer.
+    knows the counts).
     """
-    p = tl.arange(0, R_PAD)
-    src = (p + first_source) % R
-    rows = tl.load(counts_ptr + src * count_stride, mask=p < R, other=0)
+    s = tl.arange(0, R_PAD)
+    rows = tl.load(counts_ptr + s * count_stride, mask=s < R, other=0)
     nblk = (rows + BJ - 1) // BJ
     ends = tl.cumsum(nblk, axis=0)
     return rows, ends - nblk, tl.sum(nblk, axis=0)
 
 
 @triton.jit
-def locate_block(b, rows, starts, R, first_source, R_PAD: tl.constexpr, BJ: tl.constexpr):
+def locate_block(b, rows, starts, R_PAD: tl.constexpr, BJ: tl.constexpr):
     """Source, first row and row count of live block ``b`` (see :func:`live_blocks`)."""
-    p = tl.arange(0, R_PAD)
-    # positions with no rows share their start with the next one: the last one with rows <= b
-    pos = tl.max(tl.where((b >= starts) & (rows > 0), p, 0), axis=0)
-    first = (b - tl.sum(tl.where(p == pos, starts, 0), axis=0)) * BJ
-    return (pos + first_source) % R, first, tl.sum(tl.where(p == pos, rows, 0), axis=0)
+    s = tl.arange(0, R_PAD)
+    # sources with no rows share their start with the next one: the last one with rows <= b
+    src = tl.max(tl.where((b >= starts) & (rows > 0), s, 0), axis=0)
+    first = (b - tl.sum(tl.where(s == src, starts, 0), axis=0)) * BJ
+    return src, first, tl.sum(tl.where(s == src, rows, 0), axis=0)
 
 
 @triton.jit

@@ -339,9 +339,9 @@ def _recv_layout(signal_ptr, counts_ptr, meta_ptr, target, status_ptr, scratch_p
                          mask=em[:, None] & (a_idx[None, :] < (padded - tokens)[:, None]))
             tl.debug_barrier()
             kk = tl.arange(0, K_PAD)
-            rows, starts, nblk = live_blocks(counts_ptr, L + 1, R, 0, BJ, R_PAD)
+            rows, starts, nblk = live_blocks(counts_ptr, L + 1, R, BJ, R_PAD)
             for b in range(pid, nblk, nprog):
-                src, first, n_src = locate_block(b, rows, starts, R, 0, R_PAD, BJ)
+                src, first, n_src = locate_block(b, rows, starts, R_PAD, BJ)
                 i = first + tl.arange(0, BJ)
                 j = src * N + i
                 mk = (i < n_src)[:, None] & (kk[None, :] < K)
