@@ -233,14 +233,6 @@ def _bad_quant_inputs():
     ]
 
 
-@pytest.mark.parametrize("fn", [quantize_fp8, quantize_fp8_ref], ids=["kernel", "twin"])
-@pytest.mark.parametrize("name,args,match", _bad_quant_inputs(), ids=[c[0] for c in _bad_quant_inputs()])
-def test_quantize_bad_inputs(fn, name, args, match):
-    args = {k: on_device(v) for k, v in args.items()}
-    with pytest.raises(EPInputError, match=match):
-        fn(**args)
-
-
 def on_device(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the test device with its strides kept (``.to`` would make a strided view
     contiguous on a GPU, and the strided-input checks would have nothing to catch)."""
@@ -263,9 +255,16 @@ def _bad_dequant_inputs():
     ]
 
 
-@pytest.mark.parametrize("fn", [dequantize_fp8, dequantize_fp8_ref], ids=["kernel", "twin"])
-@pytest.mark.parametrize("name,args,match", _bad_dequant_inputs(), ids=[c[0] for c in _bad_dequant_inputs()])
-def test_dequantize_bad_inputs(fn, name, args, match):
+# (kernel, twin, a table of bad inputs): both must raise the same EPInputError
+_BAD_INPUTS = [(quantize_fp8, quantize_fp8_ref, c) for c in _bad_quant_inputs()] + \
+              [(dequantize_fp8, dequantize_fp8_ref, c) for c in _bad_dequant_inputs()]
+
+
+@pytest.mark.parametrize("impl", ["kernel", "twin"])
+@pytest.mark.parametrize("kernel,twin,case", _BAD_INPUTS, ids=[f"{k.__name__}-{c[0]}" for k, _, c in _BAD_INPUTS])
+def test_bad_inputs_raise(kernel, twin, case, impl):
+    name, args, match = case
+    fn = kernel if impl == "kernel" else twin
     args = {k: on_device(v) for k, v in args.items()}
     with pytest.raises(EPInputError, match=match):
         fn(**args)
