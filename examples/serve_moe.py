@@ -1,6 +1,6 @@
 """Serve a small MoE transformer over HTTP: Ray Serve in front, ray_ep workers behind.
 
-The model (ray_ep.model) has an embedding, a few decoder layers whose MLP is an
+The model (ray_ep.serving.model) has an embedding, a few decoder layers whose MLP is an
 expert-parallel MoE layer run by the EP workers (one per GPU, or CPU workers), and an output
 head. Requests are batched continuously; greedy generation.
 
@@ -10,15 +10,15 @@ head. Requests are batched continuously; greedy generation.
     curl -s localhost:8000/stats
 
 Sizes come from flags (--hidden-size, --n-layers, ...) or --config YAML; weights are seeded
-(--seed) or a safetensors --checkpoint in the layout documented in ray_ep.model. See
-docs/serving.md.
+(--seed) or a safetensors --checkpoint in the layout documented in
+ray_ep.serving.model. See docs/serving.md.
 """
 
 from __future__ import annotations
 
 import sys
 
-from ray_ep import serve
+from ray_ep.serving import server
 
 if __name__ == "__main__":
-    sys.exit(serve.main(sys.argv[1:]))
+    sys.exit(server.main(sys.argv[1:]))

@@ -14,7 +14,7 @@ from .reference import ExpertWeights, init_expert_weights, make_inputs, route
 __version__ = "0.1.0"
 
 # submodules the examples use, imported on first touch (nothing heavy at `import ray_ep`)
-_LAZY_MODULES = ("bench", "model", "serve", "reference")
+_LAZY_MODULES = ("bench", "serving", "reference")
 
 
 def __getattr__(name: str):
@@ -28,5 +28,5 @@ __all__ = [
     "BufferPlan", "CheckReport", "EPCluster", "EPClusterError", "EPConfig", "EPError", "EPInputError",
     "EPOverflowError", "EPStateError", "EPTimeoutError", "EPWorkerError", "ExpertWeights", "PRESETS",
     "init_expert_weights", "make_inputs", "plan_buffers", "route", "__version__",
-    "bench", "model", "serve", "reference",
+    "bench", "serving", "reference",
 ]

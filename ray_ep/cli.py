@@ -103,7 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .serve import run_from_args
+    from .serving.server import run_from_args
 
     return run_from_args(args)
 
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_arguments(p)
     p.set_defaults(fn=cmd_bench)
 
-    from .serve import add_arguments as serve_arguments  # argparse only: ray.serve loads when it runs
+    from .serving.server import add_arguments as serve_arguments  # argparse only: ray.serve loads when it runs
 
     p = sub.add_parser("serve", help="the example MoE server over HTTP (same flags as examples/serve_moe.py)")
     serve_arguments(p)

@@ -1,4 +1,4 @@
-"""The MoE model (ray_ep.model) and its server (ray_ep.serve) on CPU workers.
+"""The MoE model (ray_ep.serving.model) and its server (ray_ep.serving.server) on CPU workers.
 
 Unit tests first (config, checkpoint, packing, request validation, the reference), then one
 Serve instance on a free loopback port inside the session's Ray with two applications:
@@ -7,8 +7,8 @@ Serve instance on a free loopback port inside the session's Ray with two applica
 several rounds per step) which is also the one whose worker gets killed, last. Finally the
 command line (examples/serve_moe.py) in a subprocess with its own Ray.
 
-Every HTTP answer is compared step by step with ray_ep.model.forward_reference, a
-single-process forward of the same weights (tolerance: ray_ep.model.LOGIT_TOLERANCE; a
+Every HTTP answer is compared step by step with ray_ep.serving.model.forward_reference, a
+single-process forward of the same weights (tolerance: ray_ep.serving.model.LOGIT_TOLERANCE; a
 different greedy id only at a near tie of the reference).
 """
 
@@ -29,11 +29,11 @@ import torch
 
 from ray_ep import EPConfig, reference
 from ray_ep.errors import EPInputError
-from ray_ep.model import (LOGIT_TOLERANCE, ModelWeights, MoEModelConfig, checkpoint_shapes, forward_reference,
-                          generate_reference, init_model_weights, load_checkpoint, moe_layer_reference,
-                          pack_sequences, read_checkpoint_config, save_checkpoint)
-from ray_ep.serve import (RequestError, ServeOptions, ServerStats, add_arguments, options_from_args, percentile,
-                          summarize_phases, validate_request)
+from ray_ep.serving.model import (LOGIT_TOLERANCE, ModelWeights, MoEModelConfig, checkpoint_shapes,
+                                  forward_reference, generate_reference, init_model_weights, load_checkpoint,
+                                  moe_layer_reference, pack_sequences, read_checkpoint_config, save_checkpoint)
+from ray_ep.serving.server import (RequestError, ServeOptions, ServerStats, add_arguments, options_from_args,
+                                   percentile, summarize_phases, validate_request)
 
 REPO = Path(__file__).resolve().parents[1]
 requests = pytest.importorskip("requests")
@@ -55,7 +55,7 @@ def free_port() -> int:
 
 
 class Oracle:
-    """The single-process forward (ray_ep.model.forward_reference) of a served model, cached
+    """The single-process forward (ray_ep.serving.model.forward_reference) of a served model, cached
     per sequence, and the comparison of a server's answer with it."""
 
     def __init__(self, weights: ModelWeights, device: str = "cpu", **ref_kwargs):
@@ -265,7 +265,7 @@ def test_model_on_gpus_matches_reference(ray_session, dispatch_dtype):
     """The EP model on 2 GPUs (nvshmem backend, Triton kernels) against the single-process
     forward, at LOGIT_TOLERANCE['cuda']; also the NCCL baseline (torch backend on GPUs)."""
     from ray_ep import EPCluster
-    from ray_ep.model import EPModel
+    from ray_ep.serving.model import EPModel
 
     weights = init_model_weights(MODEL, seed=0)
     for backend in ("auto", "torch"):
@@ -297,7 +297,7 @@ def server(serve_port):
     """App ``moe`` at http://127.0.0.1:PORT/ with seeded weights; yields (url, weights, handle)."""
     from ray import serve
 
-    from ray_ep.serve import start_server
+    from ray_ep.serving.server import start_server
 
     opts = ServeOptions(model=MODEL, workers=WORKERS, use_gpu=False, seed=0, max_batch_size=16, batch_wait_ms=2,
                         port=serve_port, host="127.0.0.1", app_name="moe", route_prefix="/", log_level="WARNING")
@@ -399,7 +399,7 @@ def test_checkpoint_server_then_a_dead_worker(serve_port, tmp_path_factory):
     import ray
     from ray import serve
 
-    from ray_ep.serve import start_server
+    from ray_ep.serving.server import start_server
 
     path = tmp_path_factory.mktemp("ckpt") / "moe.safetensors"
     weights = init_model_weights(CKPT_MODEL, seed=7)
@@ -476,7 +476,7 @@ def test_serve_moe_example_command_line(tmp_path):
 
 
 def test_command_line_refuses_a_bad_config(tmp_path):
-    from ray_ep.serve import main
+    from ray_ep.serving.server import main
 
     assert main(["--workers", "3", "--cpu"]) == 2  # 16 experts do not split over 3 workers
     with socket.socket() as s:

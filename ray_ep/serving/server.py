@@ -1,7 +1,7 @@
-"""Serve the MoE transformer of :mod:`ray_ep.model` over HTTP with Ray Serve.
+"""Serve the MoE transformer of :mod:`ray_ep.serving.model` over HTTP with Ray Serve.
 
 One Serve replica (:class:`MoEServer`) owns an :class:`~ray_ep.EPCluster` (one worker per GPU,
-or CPU workers when there is none) and the :class:`~ray_ep.model.EPModel` on it. Requests
+or CPU workers when there is none) and the :class:`~ray_ep.serving.model.EPModel` on it. Requests
 are batched continuously: every generation step forwards all active sequences at once
 (data-parallel attention over the workers, expert-parallel MoE), and a request that arrives
 while others are generating joins at the next step.
@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
-from .errors import EPError, EPInputError
+from ..errors import EPError, EPInputError
 from .model import (EPModel, MoEModelConfig, check_checkpoint, init_model_weights, load_checkpoint,
                     read_checkpoint_config)
 
@@ -79,7 +79,7 @@ class ServeOptions(BaseModel):
     seed: int = 0
     """Seed of the weights when there is no checkpoint."""
     checkpoint: str | None = None
-    """A safetensors checkpoint (layout: ray_ep.model); an absolute path visible to the replica."""
+    """A safetensors checkpoint (layout: ray_ep.serving.model); an absolute path visible to the replica."""
     max_batch_size: int = Field(default=32, gt=0)
     """Most sequences forwarded per step."""
     batch_wait_ms: float = Field(default=2.0, ge=0)
@@ -343,7 +343,7 @@ class MoEServer:
     batches requests, answers HTTP. Plain class, so ray_ep imports without ray[serve]."""
 
     def __init__(self, options: ServeOptions):
-        from .driver import EPCluster
+        from ..driver import EPCluster
 
         self.options = options
         cfg = options.model
@@ -363,8 +363,8 @@ class MoEServer:
         self._lock = threading.Lock()  # one driver call at a time (steps are collective)
         self.stats = ServerStats()
         self.batcher = ContinuousBatcher(self._step, options.max_batch_size, options.batch_wait_ms / 1000, self.stats)
-        log.info("ray_ep.serve: %d workers (%s), model %s", self.cluster.world_size, self.cluster.backend,
-                 cfg.model_dump())
+        log.info("ray_ep.serving.server: %d workers (%s), model %s", self.cluster.world_size,
+                 self.cluster.backend, cfg.model_dump())
 
     def _step(self, sequences: list[list[int]], top_n: int):
         with self._lock:
@@ -423,12 +423,12 @@ class MoEServer:
             return JSONResponse({"error": str(e)}, status_code=400)
         except EPError as e:  # a worker died or timed out: the EP group must be rebuilt
             self.stats.request(503)
-            log.error("ray_ep.serve: generate failed: %s", e)
+            log.error("ray_ep.serving.server: generate failed: %s", e)
             return JSONResponse({"error": f"the EP workers failed ({type(e).__name__}: {e}); restart the server"},
                                 status_code=503)
         except Exception as e:  # noqa: BLE001
             self.stats.request(500)
-            log.exception("ray_ep.serve: generate failed")
+            log.exception("ray_ep.serving.server: generate failed")
             return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
         latency = time.perf_counter() - t0
         self.stats.request(200, latency, len(req.prompt_ids))
@@ -463,7 +463,7 @@ class MoEServer:
             try:
                 cluster.shutdown()
             except Exception as e:  # noqa: BLE001
-                log.warning("ray_ep.serve: shutdown: %s", e)
+                log.warning("ray_ep.serving.server: shutdown: %s", e)
 
 
 def build_app(options: ServeOptions):
@@ -507,7 +507,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="Serve log level of the app (default INFO: one line per request)")
     m = parser.add_argument_group("model")
-    m.add_argument("--checkpoint", metavar="SAFETENSORS", help="weights in the layout of ray_ep.model (default: seeded)")
+    m.add_argument("--checkpoint", metavar="SAFETENSORS",
+                   help="weights in the layout of ray_ep.serving.model (default: seeded)")
     m.add_argument("--seed", type=int, help="seed of the weights without a checkpoint (default 0)")
     for name, text in _MODEL_FLAGS.items():
         m.add_argument("--" + name.replace("_", "-"), type=int, dest=name,

@@ -70,14 +70,14 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from . import reference
-from .config import EPConfig
-from .errors import EPInputError
-from .reference import ExpertWeights
+from .. import reference
+from ..config import EPConfig
+from ..errors import EPInputError
+from ..reference import ExpertWeights
 
 log = logging.getLogger(__name__)
 
-STATE_KEY = "ray_ep.model"  # the entry of worker.state that holds the dense weights
+STATE_KEY = "ray_ep.serving.model"  # the entry of worker.state that holds the dense weights
 METADATA_KEY = "ray_ep.model_config"  # safetensors metadata entry with the config as JSON
 
 # |logits - reference| / max|reference| that the EP forward may show against
@@ -196,7 +196,7 @@ class ModelWeights:
         if missing or extra:
             raise EPInputError(f"{source} does not match the model config: missing keys {missing[:8]}"
                                f"{'...' if len(missing) > 8 else ''}, unexpected keys {extra[:8]}"
-                               f"{'...' if len(extra) > 8 else ''} (layout: see ray_ep.model)")
+                               f"{'...' if len(extra) > 8 else ''} (layout: see ray_ep.serving.model)")
         for k, shape in want.items():
             t = tensors[k]
             if tuple(t.shape) != shape:
@@ -289,7 +289,7 @@ def check_checkpoint(path: str | Path, config: MoEModelConfig) -> None:
     missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
     if missing or extra:
         raise EPInputError(f"checkpoint {path} does not match the model config: missing keys {missing[:8]}, "
-                           f"unexpected keys {extra[:8]} (layout: see ray_ep.model)")
+                           f"unexpected keys {extra[:8]} (layout: see ray_ep.serving.model)")
     for k, shape in want.items():
         if shapes[k] != shape:
             raise EPInputError(f"checkpoint {path}: {k} has shape {list(shapes[k])}, the config needs {list(shape)}")
@@ -574,7 +574,8 @@ class EPModel:
         self.cluster.run(_install_model, self.config, ref)
         for i, w in enumerate(self.weights.experts):
             self.cluster.load_experts(w, layer=i)
-        log.info("ray_ep.model: %d layers loaded on %d workers", self.config.n_layers, self.cluster.world_size)
+        log.info("ray_ep.serving.model: %d layers loaded on %d workers", self.config.n_layers,
+                 self.cluster.world_size)
         return self
 
     def next_tokens(self, sequences: Sequence[Sequence[int]], top_n: int = 1) -> NextTokens:
