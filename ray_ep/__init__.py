@@ -9,7 +9,9 @@ from .config import BufferPlan, EPConfig, PRESETS, plan_buffers
 from .driver import CheckReport, EPCluster
 from .errors import (EPClusterError, EPError, EPInputError, EPOverflowError, EPStateError, EPTimeoutError,
                      EPWorkerError)
-from .reference import ExpertWeights, init_expert_weights, make_inputs, route
+from .inputs import make_inputs
+from .routing import route
+from .weights import ExpertWeights, init_expert_weights
 
 __version__ = "0.1.0"
 

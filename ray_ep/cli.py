@@ -13,17 +13,22 @@ import argparse
 import sys
 from typing import Sequence
 
-from .config import PRESETS, EPConfig, plan_buffers
+from .config import PRESETS, EPConfig, parse_topology, plan_buffers
+
+
+def topology_arg(text: str) -> tuple[int, int]:
+    """--topology NODESxGPUS, or a usage error naming the flag."""
+    try:
+        return parse_topology(text)
+    except ValueError as e:
+        raise SystemExit(f"--topology: {e}") from None
 
 
 def _config_from(args: argparse.Namespace, default_world: int) -> EPConfig:
     overrides = {}
     if getattr(args, "topology", None):
-        try:
-            n, g = (int(v) for v in args.topology.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--topology must look like 2x2 (NODESxGPUS), got {args.topology!r}")
-        overrides.update(n_nodes=n, gpus_per_node=g)
+        n_nodes, per_node = topology_arg(args.topology)
+        overrides.update(n_nodes=n_nodes, gpus_per_node=per_node)
     elif args.gpus or args.world:
         overrides.update(n_nodes=1, gpus_per_node=args.gpus or args.world)
     for field in ("dispatch_dtype", "backend", "max_tokens_per_rank"):

@@ -1,6 +1,6 @@
 """Expert-parallel topology and buffer plan.
 
-Legend (see DESIGN.md): T tokens on a rank, K top-k, E experts, R ranks (world size),
+Legend (docs/design.md): T tokens on a rank, K top-k, E experts, R ranks (world size),
 L = E / R local experts, H hidden size, F expert intermediate size, N_max max tokens per rank.
 
 :class:`EPConfig` validates the topology before anything is started; :func:`plan_buffers`
@@ -19,9 +19,25 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_GPUS_PER_NODE = 8
 FP8_GROUP = 128  # channels per fp32 scale in fp8 dispatch
+FP8_MAX = 448.0  # largest finite float8_e4m3fn: the amax of each group maps onto it
 ALIGN_BYTES = 128  # every sub-buffer starts on this boundary (16 B vector access, cache lines)
 
 DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp32": 4, "int32": 4, "int64": 8}
+
+
+def parse_topology(text: str) -> tuple[int, int]:
+    """(n_nodes, gpus_per_node) of a topology written NODESxGPUS, e.g. "2x4".
+
+    >>> parse_topology("2x4")
+    (2, 4)
+    """
+    try:
+        n_nodes, per_node = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"a topology looks like 2x4 (NODESxGPUS), got {text!r}") from None
+    if n_nodes <= 0 or per_node <= 0:
+        raise ValueError(f"a topology needs at least one node and one GPU per node, got {text!r}")
+    return n_nodes, per_node
 
 
 class EPConfig(BaseModel):

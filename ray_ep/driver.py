@@ -12,7 +12,8 @@ True
 
 Inputs and outputs of the phase calls are lists with one CPU tensor per rank; the tensors of a
 layer stay on the workers' devices between phases. The driver validates every input before
-any worker is called, so a bad input raises and leaves the cluster usable.
+any worker is called (once: the workers are told not to check again), so a bad input raises
+and leaves the cluster usable.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ from typing import Any, Sequence
 import ray
 import torch
 
-from . import reference
 from .actors.group import EPWorkerGroup
-from .actors.worker import GPU_ENV, DispatchSummary, EPWorker, validate_inputs
+from .actors.worker import DispatchSummary, EPWorker
 from .config import EPConfig, plan_buffers
 from .errors import EPInputError, EPStateError
+from .routing import route
+from .transport.nvshmem import NO_MULTICAST_ENV
+from .validation import validate_moe_inputs, validate_per_rank, validate_router_logits
+from .weights import ExpertWeights
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +144,7 @@ class EPCluster:
             raise EPStateError(f"backend 'nvshmem' needs one GPU per rank ({cfg.world_size}); the cluster has "
                                f"{gpus:g} GPUs. Use backend='torch' (CPU workers) or add GPUs")
         env = dict(self._runtime_env)
-        env["env_vars"] = {**GPU_ENV, **env.get("env_vars", {}), **{k: "1" for k in ("RAY_EP_WORKER",)}}
+        env["env_vars"] = {**NO_MULTICAST_ENV, **env.get("env_vars", {})}
         num_cpus = self._num_cpus if self._num_cpus is not None else (1.0 if use_gpu else 0.5)
         self._group = EPWorkerGroup(EPWorker, cfg, use_gpu=use_gpu, runtime_env=env, num_cpus_per_worker=num_cpus,
                                     placement_strategy=self._strategy)
@@ -230,7 +234,7 @@ class EPCluster:
         return plan_buffers(self.config)
 
     # ---- experts -----------------------------------------------------------------------------
-    def load_experts(self, weights: reference.ExpertWeights | None = None, seed: int = 0, layer: int = 0) -> None:
+    def load_experts(self, weights: ExpertWeights | None = None, seed: int = 0, layer: int = 0) -> None:
         """Experts of MoE layer ``layer``: seeded random (each worker builds its own slice), or
         the given world weights (sharded here: rank r gets routed experts [r * L, (r + 1) * L)
         and every shared expert)."""
@@ -273,13 +277,9 @@ class EPCluster:
     # ---- phases ------------------------------------------------------------------------------
     def _validate(self, xs: Sequence[torch.Tensor], topk_ids: Sequence[torch.Tensor],
                   topk_weights: Sequence[torch.Tensor]) -> None:
-        R = self.world_size
-        for name, v in (("xs", xs), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if not isinstance(v, (list, tuple)) or len(v) != R:
-                raise EPInputError(f"{name} must be a list with one tensor per rank ({R}), got "
-                                   f"{len(v) if isinstance(v, (list, tuple)) else type(v).__name__}")
-        for r in range(R):
-            validate_inputs(self.config, xs[r], topk_ids[r], topk_weights[r], rank=r)
+        validate_per_rank(self.world_size, xs=xs, topk_ids=topk_ids, topk_weights=topk_weights)
+        for r in range(self.world_size):
+            validate_moe_inputs(self.config, xs[r], topk_ids[r], topk_weights[r], rank=r)
 
     def dispatch(self, xs: Sequence[torch.Tensor], topk_ids: Sequence[torch.Tensor],
                  topk_weights: Sequence[torch.Tensor], fused: bool = True) -> list[DispatchSummary]:
@@ -293,7 +293,7 @@ class EPCluster:
         self._validate(xs, topk_ids, topk_weights)
         self._phase = None
         out = g.execute_per_rank("dispatch", [(x, i, w) for x, i, w in zip(xs, topk_ids, topk_weights)],
-                                 [{"fused": fused}] * self.world_size)
+                                 [{"fused": fused, "validate": False}] * self.world_size)
         self._num_tokens = [x.shape[0] for x in xs]
         self._phase = "dispatched"
         return out
@@ -303,7 +303,8 @@ class EPCluster:
         g = self._need_group()
         self._validate(xs, topk_ids, topk_weights)
         self._phase = None
-        g.execute_per_rank("dispatch_send", [(x, i, w) for x, i, w in zip(xs, topk_ids, topk_weights)])
+        g.execute_per_rank("dispatch_send", [(x, i, w) for x, i, w in zip(xs, topk_ids, topk_weights)],
+                           [{"validate": False}] * self.world_size)
         self._num_tokens = [x.shape[0] for x in xs]
         self._phase = "sent"
 
@@ -353,20 +354,10 @@ class EPCluster:
         if router_logits is not None:
             if topk_ids is not None or topk_weights is not None:
                 raise EPInputError("give either router_logits or topk_ids + topk_weights, not both")
-            R, E = self.world_size, self.config.n_experts
-            # xs is indexed below, before _validate: check the lists (and x types) first
-            for name, v in (("xs", xs), ("router_logits", router_logits)):
-                if not isinstance(v, (list, tuple)) or len(v) != R:
-                    raise EPInputError(f"{name} must be a list with one tensor per rank ({R}), got "
-                                       f"{len(v) if isinstance(v, (list, tuple)) else type(v).__name__}")
+            validate_per_rank(self.world_size, xs=xs, router_logits=router_logits)
             for r, (x, lg) in enumerate(zip(xs, router_logits)):
-                if not isinstance(x, torch.Tensor) or x.dim() != 2:
-                    got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                    raise EPInputError(f"rank {r}: x must be [T, hidden_size={self.config.hidden_size}], got {got}")
-                if not isinstance(lg, torch.Tensor) or lg.dim() != 2 or lg.shape[1] != E or lg.shape[0] != x.shape[0]:
-                    got = tuple(lg.shape) if isinstance(lg, torch.Tensor) else type(lg).__name__
-                    raise EPInputError(f"rank {r}: router_logits must be [T={x.shape[0]}, n_experts={E}], got {got}")
-            routed = [reference.route(lg, self.config.top_k) for lg in router_logits]
+                validate_router_logits(self.config, x, lg, rank=r)
+            routed = [route(lg, self.config.top_k) for lg in router_logits]
             topk_ids, topk_weights = [r[0] for r in routed], [r[1] for r in routed]
         if topk_ids is None or topk_weights is None:
             raise EPInputError("forward needs topk_ids and topk_weights (or router_logits)")
@@ -375,13 +366,14 @@ class EPCluster:
         self._validate(xs, topk_ids, topk_weights)
         self._phase = None
         return g.execute_per_rank("forward", [(x, i, w) for x, i, w in zip(xs, topk_ids, topk_weights)],
-                                  [{"fused": fused, "out_dtype": out_dtype, "layer": layer}] * self.world_size)
+                                  [{"fused": fused, "out_dtype": out_dtype, "layer": layer, "validate": False}]
+                                  * self.world_size)
 
     # ---- checks ------------------------------------------------------------------------------
     def check(self, num_tokens: int | Sequence[int] | None = None, seed: int = 0, routing: str = "uniform",
               rounds: int = 1, fused: bool = True, expert_seed: int = 0) -> CheckReport:
         """Run ``rounds`` layers on fresh seeded inputs and compare every rank's output with
-        :func:`ray_ep.reference.moe_forward`. Every worker rebuilds the whole world's inputs
+        :func:`ray_ep.reference.moe_forward` (the oracle). Every worker rebuilds the whole world's inputs
         and seeded experts from the seeds and checks its own part (nothing large crosses the
         driver); the user's expert layers stay untouched."""
         cfg = self.config

@@ -4,7 +4,9 @@ Legend: T tokens on a rank, K top-k, E experts, R ranks, L = E / R local experts
 H hidden size, F expert intermediate size, M expert-major rows received by a rank.
 
 Everything here favours obviousness over speed: loops over ranks and experts, fp32 math.
-Backends and kernels are checked against these functions.
+Backends and kernels are checked against these functions; the library itself never calls
+them (only ``check``, whose job is comparing with this oracle). Its fp8 rounding is written
+here again on purpose, apart from :mod:`ray_ep.fp8`, so the two check each other.
 
 Conventions shared with the kernels:
 - topk ids are global expert ids; ``-1`` marks an unused slot (that slot is skipped).
@@ -22,23 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import FP8_GROUP, EPConfig
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-# ---- routing -------------------------------------------------------------------------------
-def route(router_logits_TE: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing.
-
-    Returns ``topk_ids_TK`` (int32, distinct per token) and ``topk_weights_TK`` (fp32); with
-    ``renormalize`` the K weights of a token sum to 1.
-    """
-    probs = torch.softmax(router_logits_TE.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids.to(torch.int32), weights.float()
+from .config import FP8_GROUP, FP8_MAX, EPConfig
+from .weights import ExpertWeights
 
 
 # ---- fp8 -----------------------------------------------------------------------------------
@@ -71,48 +58,6 @@ def dequantize_fp8(q_TH: torch.Tensor, scales_TG: torch.Tensor) -> torch.Tensor:
 
 
 # ---- experts -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ExpertWeights:
-    """SwiGLU expert weights. ``y = (silu(x @ Wg) * (x @ Wu)) @ Wd`` with
-    ``w_gate_up[e] = [Wg | Wu]`` of shape [H, 2F] and ``w_down[e]`` of shape [F, H].
-    Routed experts are [E, ...]; shared experts [S, ...] (S may be 0)."""
-
-    w_gate_up: torch.Tensor  # [E, H, 2F]
-    w_down: torch.Tensor  # [E, F, H]
-    shared_gate_up: torch.Tensor  # [S, H, 2F]
-    shared_down: torch.Tensor  # [S, F, H]
-
-    def local(self, rank: int, experts_per_rank: int) -> "ExpertWeights":
-        """The slice of routed experts that ``rank`` holds (shared experts are replicated)."""
-        sl = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
-        return ExpertWeights(self.w_gate_up[sl], self.w_down[sl], self.shared_gate_up, self.shared_down)
-
-
-def init_expert_weights(cfg: EPConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                        experts: range | None = None, device: torch.device | str = "cpu") -> ExpertWeights:
-    """Seeded random weights, scaled so activations stay O(1) through an expert.
-
-    Each expert draws from its own generator (seed, expert id), so a rank can build just its
-    slice (``experts=range(rank * L, (rank + 1) * L)``) and match the whole world's weights.
-    """
-    H, Fi, E, S = cfg.hidden_size, cfg.intermediate_size, cfg.n_experts, cfg.n_shared_experts
-    ids = range(E) if experts is None else experts
-
-    def one(stream: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + stream)
-        gate_up = (torch.randn(H, 2 * Fi, generator=g) / H**0.5).to(dtype).to(device)
-        down = (torch.randn(Fi, H, generator=g) / Fi**0.5).to(dtype).to(device)
-        return gate_up, down
-
-    def stack(pairs: list, i: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.stack([p[i] for p in pairs]) if pairs else torch.empty(0, *shape, dtype=dtype, device=device)
-
-    routed = [one(e) for e in ids]
-    shared = [one(E + s) for s in range(S)]
-    return ExpertWeights(stack(routed, 0, (H, 2 * Fi)), stack(routed, 1, (Fi, H)),
-                         stack(shared, 0, (H, 2 * Fi)), stack(shared, 1, (Fi, H)))
-
-
 def swiglu_expert(x_MH: torch.Tensor, w_gate_up_HF2: torch.Tensor, w_down_FH: torch.Tensor) -> torch.Tensor:
     """One SwiGLU expert with the roundings of the kernels: bf16 operands, fp32 accumulation,
     bf16 between the stages. Returns [M, H] in the weights' dtype."""
@@ -151,7 +96,7 @@ def _check_world(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.Ten
         raise ValueError(f"need one input per rank ({cfg.world_size}), got {len(xs)} and {len(topk_ids)}")
 
 
-def dispatch(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.Tensor]) -> list[RankDispatch]:
+def dispatch_world(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.Tensor]) -> list[RankDispatch]:
     """Dispatch the tokens of every rank; element r is what rank r receives.
 
     ``xs[r]`` [T_r, H] bf16, ``topk_ids[r]`` [T_r, K] int32. fp8 dispatch quantises each
@@ -178,7 +123,7 @@ def dispatch(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.Tensor]
         M = offsets[-1]
         H = cfg.hidden_size
         x = torch.zeros(M, H, dtype=sent[0][0].dtype if sent else torch.bfloat16)
-        scales = torch.zeros(M, H // 128, dtype=torch.float32) if fp8 else None
+        scales = torch.zeros(M, H // FP8_GROUP, dtype=torch.float32) if fp8 else None
         src_info = torch.full((M, 3), -1, dtype=torch.int32)
         for e in range(L):
             for i, (src, t, k) in enumerate(sorted(rows[e])):
@@ -192,7 +137,7 @@ def dispatch(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.Tensor]
     return out
 
 
-def experts(cfg: EPConfig, dispatched: list[RankDispatch], weights: ExpertWeights) -> list[torch.Tensor]:
+def experts_world(cfg: EPConfig, dispatched: list[RankDispatch], weights: ExpertWeights) -> list[torch.Tensor]:
     """Run every rank's local experts over its expert-major rows; padding rows give 0."""
     L = cfg.experts_per_rank
     ys = []
@@ -209,7 +154,7 @@ def experts(cfg: EPConfig, dispatched: list[RankDispatch], weights: ExpertWeight
     return ys
 
 
-def combine(cfg: EPConfig, ys: list[torch.Tensor], dispatched: list[RankDispatch],
+def combine_world(cfg: EPConfig, ys: list[torch.Tensor], dispatched: list[RankDispatch],
                 topk_weights: list[torch.Tensor], num_tokens: list[int],
                 out_dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
     """Return every expert output row to its source token: ``out[t] = sum_k w[t, k] * y[t, k]``
@@ -234,50 +179,7 @@ def shared_experts(x_TH: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
 def moe_forward(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.Tensor],
                     topk_weights: list[torch.Tensor], weights: ExpertWeights) -> list[torch.Tensor]:
     """A whole MoE layer on every rank: dispatch, routed experts, combine, plus shared experts."""
-    d = dispatch(cfg, xs, topk_ids)
-    ys = experts(cfg, d, weights)
-    outs = combine(cfg, ys, d, topk_weights, [x.shape[0] for x in xs], out_dtype=torch.float32)
+    d = dispatch_world(cfg, xs, topk_ids)
+    ys = experts_world(cfg, d, weights)
+    outs = combine_world(cfg, ys, d, topk_weights, [x.shape[0] for x in xs], out_dtype=torch.float32)
     return [(o + shared_experts(x, weights)).to(x.dtype) for o, x in zip(outs, xs)]
-
-
-# ---- inputs for tests and benchmarks -------------------------------------------------------
-def expert_popularity(n_experts: int, generator: torch.Generator, zipf_s: float = 1.2) -> torch.Tensor:
-    """Zipf(s) popularity of the experts over a seeded permutation (fp64, sums to anything):
-    the skewed routing of the tests and benchmarks."""
-    pop = 1.0 / torch.arange(1, n_experts + 1, dtype=torch.float64) ** zipf_s
-    return pop[torch.randperm(n_experts, generator=generator)]
-
-
-def make_inputs(cfg: EPConfig, num_tokens: list[int] | int, seed: int = 0, routing: str = "uniform",
-                zipf_s: float = 1.2, dtype: torch.dtype = torch.bfloat16
-                ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """Seeded inputs of every rank: (xs [T_r, H], topk_ids [T_r, K] int32, topk_weights [T_r, K]).
-
-    routing ``uniform``: K distinct experts uniformly at random; ``skewed``: K distinct experts
-    drawn with Zipf(s) popularity over a seeded permutation of the experts; ``one-expert``:
-    every token picks expert 0 first (the rest uniform). Every rank draws from one generator,
-    so each rank can rebuild the whole world's inputs from the seed alone.
-    """
-    R, E, K, H = cfg.world_size, cfg.n_experts, cfg.top_k, cfg.hidden_size
-    counts = [num_tokens] * R if isinstance(num_tokens, int) else list(num_tokens)
-    g = torch.Generator().manual_seed(seed)
-    if routing == "skewed":
-        popularity = expert_popularity(E, g, zipf_s)
-    xs, ids, ws = [], [], []
-    for T in counts:
-        xs.append(torch.randn(T, H, generator=g).to(dtype))
-        if routing == "uniform":
-            scores = torch.rand(T, E, generator=g)
-        elif routing == "skewed":
-            # Gumbel top-k over log-popularity = sampling K distinct experts by popularity
-            gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, dtype=torch.float64)))
-            scores = popularity.log()[None, :] + gumbel
-        elif routing == "one-expert":
-            scores = torch.rand(T, E, generator=g)
-            scores[:, 0] = 2.0
-        else:
-            raise ValueError(f"routing must be 'uniform', 'skewed' or 'one-expert', got {routing!r}")
-        ids.append(torch.topk(scores, K, dim=-1).indices.to(torch.int32))
-        w = torch.rand(T, K, generator=g) + 0.1
-        ws.append((w / w.sum(dim=-1, keepdim=True)).float())
-    return xs, ids, ws

@@ -32,12 +32,13 @@ def record_launches(cfg) -> list[tuple]:
     seen: list[tuple] = []
 
     def fake_launch(kernel, *, work, device, budget, resident, args, meta, warps=4):
+        _util.check_names(kernel, args, meta)  # every parameter named, none twice or unknown
         seen.append((kernel, args, meta))
 
     for mod in (_util, dispatch, combine):
         mod.launch = fake_launch
-    dispatch.block_bases = layout.block_bases_ref  # the layout kernels launch directly
-    dispatch.compute_layout = layout.compute_layout_ref
+    dispatch.block_bases = layout.block_bases_torch  # the layout kernels launch directly
+    dispatch.compute_layout = layout.compute_layout_torch
     world = LocalWorld.create(cfg, device="cpu")
     bufs, ws = world.bufs[0], world.workspaces[0]
     K = cfg.top_k
@@ -47,8 +48,8 @@ def record_launches(cfg) -> list[tuple]:
         x = torch.zeros(T, cfg.hidden_size, dtype=torch.bfloat16)
         ids = torch.zeros(T, K, dtype=torch.int32)
         w = torch.zeros(T, K)
-        h = dispatch.dispatch(cfg=cfg, x_TH=x, topk_ids_TK=ids, topk_weights_TK=w, bufs=bufs, ws=ws, check=False)
-        combine.combine(cfg=cfg, y_MH=y, handle=h, bufs=bufs, ws=ws, check=False)
+        h = dispatch.dispatch_fused(cfg=cfg, x_TH=x, topk_ids_TK=ids, topk_weights_TK=w, bufs=bufs, ws=ws, check=False)
+        combine.combine_fused(cfg=cfg, y_MH=y, handle=h, bufs=bufs, ws=ws, check=False)
         lay = dispatch.dispatch_send(cfg=cfg, x_TH=x, topk_ids_TK=ids, topk_weights_TK=w, bufs=bufs, ws=ws)
         h = dispatch.dispatch_recv(cfg=cfg, layout=lay, bufs=bufs, ws=ws, num_tokens=T, check=False)
         combine.combine_send(cfg=cfg, y_MH=y, handle=h, bufs=bufs, ws=ws)
@@ -61,9 +62,11 @@ def compile_sm90(kernel, args, meta, bitcode: str | None):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = [n for n in kernel.arg_names if n not in meta]
     sig, constexprs = {}, {}
-    for name, a in zip(names, args):
+    for name in kernel.arg_names:
+        if name in meta:
+            continue
+        a = args[name]
         if isinstance(a, torch.Tensor):
             sig[name] = "*" + _DTYPES[a.dtype]
         else:
@@ -71,6 +74,7 @@ def compile_sm90(kernel, args, meta, bitcode: str | None):
     for name, v in meta.items():
         sig[name] = "constexpr"
         constexprs[name] = v
+    sig = {name: sig[name] for name in kernel.arg_names}  # the kernel's parameter order
     opts = {"num_warps": 4}
     if meta.get("REMOTE"):
         opts["extern_libs"] = {"libnvshmem_device": bitcode}

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ray_ep import bench, cli
+from ray_ep.bench import runner
 from ray_ep.config import EPConfig, plan_buffers
 
 
@@ -72,7 +73,7 @@ def test_aggregate_takes_the_slowest_rank():
         {"times_us": {"dispatch": [20.0, 21.0, 22.0]}, "remote_rows": 300, "received_rows": 350,
          "check_error": 2e-3, "misplaced_rows": 0},
     ]
-    row = bench.aggregate(per_rank, "dispatch", cfg, 256, preset="tiny", backend="x", dtype="bf16",
+    row = runner.aggregate(per_rank, "dispatch", cfg, 256, preset="tiny", backend="x", dtype="bf16",
                           routing="uniform", tokens=8, sms="-")
     assert row.median_us == 21.0 and row.per_rank_median_us == [11.0, 21.0]
     assert row.p10_us == 10.0 and row.p90_us == 22.0

@@ -2,7 +2,7 @@
 
 Every validation rule has a test that checks three things in the message: the field, the bad
 value and what to change. Expected sizes are written out by hand from the documented layout
-rule (DESIGN.md, config.plan_buffers docstring), never by calling the code under test.
+rule (docs/design.md, config.plan_buffers docstring), never by calling the code under test.
 """
 
 import json

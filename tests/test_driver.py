@@ -20,6 +20,9 @@ import torch
 
 from ray_ep import EPCluster, EPConfig, reference
 from ray_ep.errors import EPInputError, EPStateError, EPWorkerError
+from ray_ep.inputs import make_inputs
+from ray_ep.weights import ExpertWeights, init_expert_weights
+from ray_ep.routing import route
 
 # Error of an output against the reference, as max|out - ref| / max|ref| per rank. The CPU
 # workers run torch twins that round like the reference (bf16 operands, fp32 accumulation,
@@ -38,9 +41,9 @@ LAYER0_SEED = 0  # seed of the experts every shared cluster holds in layer 0
 
 # ---- helpers ---------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def world_weights(cfg: EPConfig, seed: int) -> reference.ExpertWeights:
+def world_weights(cfg: EPConfig, seed: int) -> ExpertWeights:
     """The world's experts that ``load_experts(seed=seed)`` loads, rank by rank."""
-    return reference.init_expert_weights(cfg, seed=seed)
+    return init_expert_weights(cfg, seed=seed)
 
 
 def rel_errors(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> list[float]:
@@ -66,7 +69,7 @@ def assert_close_to_reference(cfg: EPConfig, outs, xs, ids, ws, weights) -> None
 
 
 def inputs(cfg: EPConfig, num_tokens, seed: int, routing: str = "uniform"):
-    return reference.make_inputs(cfg, num_tokens, seed=seed, routing=routing)
+    return make_inputs(cfg, num_tokens, seed=seed, routing=routing)
 
 
 def assert_usable(ep: EPCluster, seed: int = 99) -> None:
@@ -260,7 +263,7 @@ def test_phase_by_phase_equals_reference_and_forward(ep, fused):
     cfg = ep.config
     R = cfg.world_size
     xs, ids, ws = inputs(cfg, [12, 0, 30, 5][:R], seed=12, routing="skewed")
-    want = reference.dispatch(cfg, xs, ids)
+    want = reference.dispatch_world(cfg, xs, ids)
     if fused:
         summaries = ep.dispatch(xs, ids, ws)
     else:
@@ -331,7 +334,7 @@ def test_router_logits_route_like_reference(ep):
     xs = [torch.randn(T, cfg.hidden_size, generator=g).to(torch.bfloat16) for T in counts]
     logits = [torch.randn(T, cfg.n_experts, generator=g) for T in counts]
     outs = ep.forward(xs, router_logits=logits)
-    routed = [reference.route(lg, cfg.top_k) for lg in logits]
+    routed = [route(lg, cfg.top_k) for lg in logits]
     ids, ws = [r[0] for r in routed], [r[1] for r in routed]
     assert all(torch.equal(a, b) for a, b in zip(outs, ep.forward(xs, ids, ws)))
     assert_close_to_reference(cfg, outs, xs, ids, ws, world_weights(cfg, LAYER0_SEED))
@@ -361,7 +364,7 @@ def test_router_logits_bad_arguments(ep2):
 # ---- user code inside the workers -----------------------------------------------------------
 def _moe_in_worker(worker, num_tokens, seed, layer=0):
     """Every rank rebuilds the world's inputs from the seed and runs its share (collective)."""
-    xs, ids, ws = reference.make_inputs(worker.config, num_tokens, seed=seed)
+    xs, ids, ws = make_inputs(worker.config, num_tokens, seed=seed)
     r = worker.rank
     out = worker.moe(xs[r], ids[r], ws[r], layer=layer)
     assert out.device == worker.device
@@ -416,9 +419,9 @@ def test_run_error_is_raised_with_its_type_and_cluster_stays_usable(ep2):
 # ---- experts and layers ---------------------------------------------------------------------
 def test_load_given_world_weights(ep):
     cfg = ep.config
-    base = reference.init_expert_weights(cfg, seed=21)
+    base = init_expert_weights(cfg, seed=21)
     # not what any seed gives: flip and rescale, so only the given tensors can match
-    weights = reference.ExpertWeights((-base.w_gate_up * 0.5).to(torch.bfloat16), base.w_down.flip(0),
+    weights = ExpertWeights((-base.w_gate_up * 0.5).to(torch.bfloat16), base.w_down.flip(0),
                                       base.shared_gate_up, base.shared_down)
     ep.load_experts(weights, layer=2)
     xs, ids, ws = inputs(cfg, 10, seed=22, routing="skewed")
@@ -432,7 +435,7 @@ def test_load_weights_of_the_wrong_shape_raises(ep2):
     cfg = ep2.config
     other = EPConfig.preset("tiny", gpus_per_node=2, intermediate_size=32)
     with pytest.raises(ValueError, match="must be bf16"):
-        ep2.load_experts(reference.init_expert_weights(other, seed=0), layer=3)
+        ep2.load_experts(init_expert_weights(other, seed=0), layer=3)
     with pytest.raises(EPStateError, match="no experts loaded for layer 3"):
         ep2.forward(*inputs(cfg, 2, seed=0), layer=3)
     assert_usable(ep2)
@@ -675,7 +678,7 @@ class TestFp8Dispatch:
         xs, ids, ws = inputs(cfg, [9, 14], seed=52, routing="skewed")
         xs[0] = xs[0].clone()
         xs[0][0] = 0  # an all-zero group: scale 1
-        want = reference.dispatch(cfg, xs, ids)
+        want = reference.dispatch_world(cfg, xs, ids)
         ep_fp8.dispatch_send(xs, ids, ws)
         ep_fp8.dispatch_recv()
         for r in range(cfg.world_size):
@@ -709,7 +712,7 @@ class TestSharedExperts:
 
     def test_phases_and_given_weights(self, ep_shared):
         cfg = ep_shared.config
-        given = reference.init_expert_weights(cfg, seed=63)
+        given = init_expert_weights(cfg, seed=63)
         ep_shared.load_experts(given, layer=1)
         xs, ids, ws = inputs(cfg, [7, 3], seed=64)
         ep_shared.dispatch(xs, ids, ws)

@@ -19,6 +19,7 @@ import ray
 import torch
 
 from ray_ep import EPCluster, EPConfig, EPTimeoutError
+from ray_ep.bench.loops import run_row
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs at least 2 CUDA GPUs")]
@@ -86,7 +87,7 @@ def test_preset_against_reference(cluster, preset, dtype, tokens):
                 worst = max(r["rel"] for r in res)
                 assert worst <= TOL, f"{routing} fused={fused}: rel error {worst:.3e} > {TOL}"
         for fused in (True, False):
-            soak = cluster.call_workers("bench", "soak", group=name, rounds=200, num_tokens=256, routing="skewed",
+            soak = cluster.run(run_row, "soak", group=name, rounds=200, num_tokens=256, routing="skewed",
                                         fused=fused)
             assert sum(r["misplaced_rows"] for r in soak) == 0
             worst = max(r["max_rel_error"] for r in soak)
@@ -112,12 +113,12 @@ def test_default_layer_check(cluster):
 
 def _silent_peer(worker, silent_rank: int, group: str):
     """Every rank but ``silent_rank`` runs a dispatch; it must time out, naming that rank."""
-    from ray_ep.actors.timing import rank_inputs
+    from ray_ep.inputs import rank_inputs
 
     if worker.rank == silent_rank:
         return "silent"
     g = worker.groups[group]
-    x, ids, w = rank_inputs(g.cfg, 16, worker.rank, 0, "uniform", worker.device)
+    x, ids, w = rank_inputs(g.cfg, 16, worker.rank, 0, "uniform", device=worker.device)
     try:
         g.transports["nvshmem"].dispatch(x, ids, w)
     except EPTimeoutError as e:

@@ -15,7 +15,8 @@ import pytest  # noqa: E402
 
 from ray_ep import reference  # noqa: E402
 from ray_ep.config import EPConfig  # noqa: E402
-from ray_ep.kernels.activation import swiglu, swiglu_ref  # noqa: E402
+from ray_ep.kernels.activation import swiglu, swiglu_torch  # noqa: E402
+from ray_ep.weights import init_expert_weights  # noqa: E402
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -51,7 +52,7 @@ def run_both(h, row_ids, total_rows):
     out = torch.full((M, F), SENTINEL, dtype=torch.bfloat16, device=device)
     ref = torch.full((M, F), SENTINEL, dtype=torch.bfloat16, device=device)
     got = swiglu(h_M2F=h, row_ids_M=row_ids, total_rows=total_rows, out=out)
-    swiglu_ref(h_M2F=h, row_ids_M=row_ids, total_rows=total_rows, out=ref)
+    swiglu_torch(h_M2F=h, row_ids_M=row_ids, total_rows=total_rows, out=ref)
     assert got is out
     real = (torch.arange(M, device=device) < total_rows.long()) & (row_ids >= 0)
     torch.testing.assert_close(out[real].float(), ref[real].float(), **TOL[torch.bfloat16])
@@ -112,7 +113,7 @@ def test_swiglu_non_contiguous():
     out_T = torch.full((F, M), SENTINEL, dtype=torch.bfloat16, device=device)
     out = out_T.t()
     swiglu(h_M2F=h, row_ids_M=row_ids, total_rows=offsets[-1:], out=out)
-    ref = swiglu_ref(h_M2F=h.contiguous(), row_ids_M=row_ids, total_rows=offsets[-1:])
+    ref = swiglu_torch(h_M2F=h.contiguous(), row_ids_M=row_ids, total_rows=offsets[-1:])
     real = row_ids >= 0
     torch.testing.assert_close(out[real].float(), ref[real].float(), **TOL[torch.bfloat16])
     assert bool((out[~real] == SENTINEL).all())
@@ -128,7 +129,7 @@ def test_swiglu_new_output_shape():
     offsets, row_ids = make_layout([4, 6], 1, 0, gen)
     h = rand_h(10, 16, gen)
     out = swiglu(h_M2F=h, row_ids_M=row_ids, total_rows=offsets[-1:])
-    ref = swiglu_ref(h_M2F=h, row_ids_M=row_ids, total_rows=offsets[-1:])
+    ref = swiglu_torch(h_M2F=h, row_ids_M=row_ids, total_rows=offsets[-1:])
     assert out.shape == (10, 16) and out.dtype == torch.bfloat16 and out.device.type == device
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
 
@@ -136,12 +137,12 @@ def test_swiglu_new_output_shape():
 def test_swiglu_ref_matches_swiglu_expert():
     # the twin rounds exactly like the reference expert: bf16 h, fp32 silu * up, bf16 a
     cfg = EPConfig.preset("tiny")
-    w = reference.init_expert_weights(cfg, seed=6)
+    w = init_expert_weights(cfg, seed=6)
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(13, cfg.hidden_size, generator=gen).to(torch.bfloat16)
     h = (x.float() @ w.w_gate_up[0].float()).to(torch.bfloat16)
     ids = torch.arange(13, dtype=torch.int32)
-    a = swiglu_ref(h_M2F=h, row_ids_M=ids, total_rows=torch.tensor([13], dtype=torch.int32))
+    a = swiglu_torch(h_M2F=h, row_ids_M=ids, total_rows=torch.tensor([13], dtype=torch.int32))
     y = (a.float() @ w.w_down[0].float()).to(torch.bfloat16)
     assert torch.equal(y, reference.swiglu_expert(x, w.w_gate_up[0], w.w_down[0]))
     # and the kernel within tolerance of it
@@ -172,7 +173,7 @@ def _good_args():
         (dict(out=torch.zeros(8, 16, dtype=torch.float32)), "out must be bfloat16"),
     ],
 )
-@pytest.mark.parametrize("fn", [swiglu, swiglu_ref])
+@pytest.mark.parametrize("fn", [swiglu, swiglu_torch])
 def test_swiglu_bad_inputs(fn, change, match):
     args = _good_args()
     for k, v in change.items():

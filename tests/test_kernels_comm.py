@@ -33,9 +33,12 @@ from ray_ep.errors import EPInputError, EPOverflowError, EPTimeoutError  # noqa:
 from ray_ep.kernels import combine as C  # noqa: E402
 from ray_ep.kernels import dispatch as D  # noqa: E402
 from ray_ep.kernels.buffers import check_status  # noqa: E402
-from ray_ep.kernels.experts import ExpertScratch, LocalExperts, run_experts_ref, shared_experts  # noqa: E402
-from ray_ep.kernels.layout import compute_layout_ref  # noqa: E402
+from ray_ep.kernels.experts import ExpertScratch, LocalExperts, run_experts_torch, shared_experts  # noqa: E402
+from ray_ep.kernels.layout import compute_layout_torch  # noqa: E402
 from ray_ep.transport.local import LocalWorld  # noqa: E402
+from ray_ep.inputs import make_inputs  # noqa: E402
+from ray_ep.weights import ExpertWeights, init_expert_weights  # noqa: E402
+from ray_ep.types import RecvLayout  # noqa: E402
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 # triton 3.6's interpreter turns 1-element arrays into Python ints through a numpy path that
@@ -53,7 +56,7 @@ TOL = {
     # token, then the bf16 output rounding (again truncation in the interpreter); partials may
     # cancel, so atol is sized on the partials (|partial| <~ 2), not the output
     "combine-bf16": dict(atol=2**-5, rtol=2**-6),
-    # expert outputs of the world (run_experts_ref over the received rows) vs reference.experts:
+    # expert outputs of the world (run_experts_torch over the received rows) vs reference.experts:
     # the same bf16 roundings, but fp32 GEMMs of other shapes/devices can tip a bf16 rounding of
     # h, a or y by one ulp (identical on CPU)
     "experts": dict(atol=3e-2, rtol=2**-5),
@@ -82,9 +85,9 @@ def out_dtype_of(cfg: EPConfig) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=None)
-def expert_weights() -> reference.ExpertWeights:
+def expert_weights() -> ExpertWeights:
     # H, F, E and S are the same for every world size of the tiny preset
-    return reference.init_expert_weights(make_cfg(2), seed=0)
+    return init_expert_weights(make_cfg(2), seed=0)
 
 
 # ---- the two implementations --------------------------------------------------------------
@@ -98,7 +101,7 @@ class Impl:
 
 
 KERNEL = Impl("kernel", D.dispatch_send, D.dispatch_recv, C.combine_send, C.combine_recv)
-TWIN = Impl("twin", D.dispatch_send_ref, D.dispatch_recv_ref, C.combine_send_ref, C.combine_recv_ref)
+TWIN = Impl("twin", D.dispatch_send_torch, D.dispatch_recv_torch, C.combine_send_torch, C.combine_recv_torch)
 
 
 class Sim:
@@ -116,7 +119,7 @@ class Sim:
             self.experts.append(LocalExperts(lw.w_gate_up.to(device), lw.w_down.to(device),
                                              lw.shared_gate_up.to(device), lw.shared_down.to(device)))
         self.scratch = [ExpertScratch.allocate(cfg, device) for _ in range(R)]
-        self.recv_out = [D.RecvLayout.allocate(cfg, device) for _ in range(R)]
+        self.recv_out = [RecvLayout.allocate(cfg, device) for _ in range(R)]
 
     def dispatch(self, inp: "Round") -> list:
         """Split form: every rank's send, then every rank's receive. Returns the handles."""
@@ -130,7 +133,7 @@ class Sim:
                 for r in range(R)]
 
     def run_experts(self, handles) -> list[torch.Tensor]:
-        return [run_experts_ref(handle=h, experts=e, scratch=s) for h, e, s in zip(handles, self.experts, self.scratch)]
+        return [run_experts_torch(handle=h, experts=e, scratch=s) for h, e, s in zip(handles, self.experts, self.scratch)]
 
     def combine(self, handles, ys, adds) -> list[torch.Tensor]:
         """Split form: every rank's send, then every rank's receive. Returns the outputs."""
@@ -167,16 +170,16 @@ class Round:
 
     @functools.cached_property
     def ref_dispatch(self) -> list[reference.RankDispatch]:
-        return reference.dispatch(self.cfg, self.xs, self.ids)
+        return reference.dispatch_world(self.cfg, self.xs, self.ids)
 
     @functools.cached_property
     def ref_ys(self) -> list[torch.Tensor]:
-        return reference.experts(self.cfg, self.ref_dispatch, expert_weights())
+        return reference.experts_world(self.cfg, self.ref_dispatch, expert_weights())
 
     @functools.cached_property
     def ref_layer(self) -> list[torch.Tensor]:
         """The routed part of the MoE layer in fp32: reference.combine of reference.experts."""
-        return reference.combine(self.cfg, self.ref_ys, self.ref_dispatch, self.weights, self.tokens,
+        return reference.combine_world(self.cfg, self.ref_ys, self.ref_dispatch, self.weights, self.tokens,
                                  out_dtype=torch.float32)
 
     @functools.cached_property
@@ -187,7 +190,7 @@ class Round:
     def ref_slots(self) -> list[torch.Tensor]:
         """token_slots_TR of every source rank."""
         R, L = self.cfg.world_size, self.cfg.experts_per_rank
-        return [compute_layout_ref(topk_ids_TK=i, world_size=R, experts_per_rank=L).token_slots_TR for i in self.ids]
+        return [compute_layout_torch(topk_ids_TK=i, world_size=R, experts_per_rank=L).token_slots_TR for i in self.ids]
 
 
 def make_round(cfg: EPConfig, tokens: list[int], seed: int, *, routing: str = "uniform", mask: float = 0.0,
@@ -201,7 +204,7 @@ def make_round(cfg: EPConfig, tokens: list[int], seed: int, *, routing: str = "u
     (both unused); strided: x, ids and weights are column slices of wider tensors.
     """
     R, E, K, L = cfg.world_size, cfg.n_experts, cfg.top_k, cfg.experts_per_rank
-    xs, ids, ws = reference.make_inputs(cfg, tokens, seed=seed, routing=routing)
+    xs, ids, ws = make_inputs(cfg, tokens, seed=seed, routing=routing)
     g = torch.Generator().manual_seed(seed + 7919)
     for r in range(R):
         T = tokens[r]
@@ -309,7 +312,7 @@ def check_chain(cfg: EPConfig, inp: Round, ref: list, ys, outs, adds) -> None:
         ys_cpu.append(y)
     kind = cfg.combine_dtype
     od = out_dtype_of(cfg)
-    alone = reference.combine(cfg, ys_cpu, ref, inp.weights, inp.tokens, out_dtype=torch.float32)
+    alone = reference.combine_world(cfg, ys_cpu, ref, inp.weights, inp.tokens, out_dtype=torch.float32)
     layer = inp.ref_layer
     for r in range(R):
         out = outs[r]
@@ -593,7 +596,7 @@ def test_overflowing_source_raises(impl):
     # rank 0's own receive is unaffected
     h0 = impl.dispatch_recv(cfg=cfg, layout=layouts[0], bufs=sim.world.bufs[0], ws=sim.world.workspaces[0],
                             num_tokens=5)
-    ref = reference.dispatch(cfg, inp.xs, inp.ids)
+    ref = reference.dispatch_world(cfg, inp.xs, inp.ids)
     assert h0.recv.row_offsets_L1.cpu().tolist() == ref[0].row_offsets.tolist()
 
 
@@ -688,7 +691,7 @@ def test_fused_on_concurrent_streams(world_size, dispatch, combine):
         handles = [None] * R
         for r in range(R):
             with torch.cuda.stream(streams[r]):
-                handles[r] = D.dispatch(cfg=cfg, x_TH=inp.x_dev[r], topk_ids_TK=inp.ids_dev[r],
+                handles[r] = D.dispatch_fused(cfg=cfg, x_TH=inp.x_dev[r], topk_ids_TK=inp.ids_dev[r],
                                         topk_weights_TK=inp.w_dev[r], bufs=sim.world.bufs[r],
                                         ws=sim.world.workspaces[r], out=sim.recv_out[r], check=False)
         torch.cuda.synchronize()
@@ -701,7 +704,7 @@ def test_fused_on_concurrent_streams(world_size, dispatch, combine):
         outs = [None] * R
         for r in range(R):
             with torch.cuda.stream(streams[r]):
-                outs[r] = C.combine(cfg=cfg, y_MH=ys[r], handle=handles[r], bufs=sim.world.bufs[r],
+                outs[r] = C.combine_fused(cfg=cfg, y_MH=ys[r], handle=handles[r], bufs=sim.world.bufs[r],
                                     ws=sim.world.workspaces[r], out_dtype=out_dtype_of(cfg), add_TH=adds[r],
                                     check=False)
         torch.cuda.synchronize()
@@ -734,7 +737,7 @@ def test_send_lays_out_its_own_tokens_like_compute_layout(T, routing, mask):
             ids[1, 1] = ids[1, 0]
         got = D.dispatch_send(cfg=cfg, x_TH=inp.x_dev[0], topk_ids_TK=ids, topk_weights_TK=inp.w_dev[0],
                               bufs=world.bufs[0], ws=world.workspaces[0])
-        want = compute_layout_ref(topk_ids_TK=ids, world_size=4, experts_per_rank=cfg.experts_per_rank)
+        want = compute_layout_torch(topk_ids_TK=ids, world_size=4, experts_per_rank=cfg.experts_per_rank)
         for name in ("token_slots_TR", "ordinals_TK", "expert_counts_E", "rank_counts_R"):
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), name
         assert int(world.workspaces[0].totals.abs().sum()) == 0

@@ -15,19 +15,21 @@ import pytest  # noqa: E402
 
 from ray_ep import reference  # noqa: E402
 from ray_ep.config import EPConfig  # noqa: E402
-from ray_ep.kernels.activation import swiglu, swiglu_ref  # noqa: E402
-from ray_ep.kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref  # noqa: E402
+from ray_ep.kernels.activation import swiglu, swiglu_torch  # noqa: E402
+from ray_ep.kernels.grouped_gemm import grouped_gemm, grouped_gemm_torch  # noqa: E402
+from ray_ep.inputs import make_inputs  # noqa: E402
+from ray_ep.weights import init_expert_weights  # noqa: E402
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 
-# Kernel vs. twin; values are O(1) (b is scaled by 1/sqrt(K)). Why these tolerances:
+# Kernel vs. twin; values are O(1) (b is scaled by 1/sqrt(D)). Why these tolerances:
 # - "bf16": same fp32 math, one bf16 rounding at the end. bf16 keeps 8 significant bits (one
 #   ulp <= 2^-7 relative); the GPU rounds to nearest like the twin, but sums in another order
 #   can tip a rounding; the CPU interpreter truncates fp32 -> bf16 (< 1 ulp). rtol = 2^-6 is
 #   one ulp either way; atol covers outputs near zero (fp32 order noise ~1e-6, tiny ulps).
 # - "fp8": A is bf16(fp8 * scale) before the dot. With arbitrary scales the interpreter's
 #   truncation can move every A element by an ulp (2^-8 relative) against the twin's rounding;
-#   over K terms that random walk reaches ~1e-2 on O(1) outputs. (On GPUs A matches exactly.)
+#   over D terms that random walk reaches ~1e-2 on O(1) outputs. (On GPUs A matches exactly.)
 # - "chain": gate_up GEMM -> SwiGLU -> down GEMM: up to an ulp of drift at each bf16 stage.
 TOL = {
     "bf16": dict(atol=1e-2, rtol=2**-6),
@@ -51,21 +53,21 @@ def make_layout(counts, align, slack):
             torch.tensor(counts, dtype=torch.int32, device=device), real.to(device))
 
 
-def rand_b(L, K, N, gen):
-    return (torch.randn(L, K, N, generator=gen) / K**0.5).to(torch.bfloat16).to(device)
+def rand_b(L, D, O, gen):
+    return (torch.randn(L, D, O, generator=gen) / D**0.5).to(torch.bfloat16).to(device)
 
 
-def rand_a(rows, K, gen):
-    return torch.randn(rows, K, generator=gen).to(torch.bfloat16).to(device)
+def rand_a(rows, D, gen):
+    return torch.randn(rows, D, generator=gen).to(torch.bfloat16).to(device)
 
 
 def check(tol, real, **kwargs):
     """Kernel and twin into sentinel-filled outputs; real rows close, padding untouched."""
-    M, N = real.shape[0], kwargs["b_LKN"].shape[2]
-    out = torch.full((M, N), SENTINEL, dtype=torch.bfloat16, device=device)
-    ref = torch.full((M, N), SENTINEL, dtype=torch.bfloat16, device=device)
+    M, O = real.shape[0], kwargs["b_LDO"].shape[2]
+    out = torch.full((M, O), SENTINEL, dtype=torch.bfloat16, device=device)
+    ref = torch.full((M, O), SENTINEL, dtype=torch.bfloat16, device=device)
     got = grouped_gemm(out=out, **kwargs)
-    grouped_gemm_ref(out=ref, **kwargs)
+    grouped_gemm_torch(out=ref, **kwargs)
     assert got is out
     torch.testing.assert_close(out[real].float(), ref[real].float(), **TOL[tol])
     assert bool((out[~real] == SENTINEL).all()), "padding rows were written"
@@ -74,18 +76,18 @@ def check(tol, real, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "counts,align,slack,K,N",
+    "counts,align,slack,D,O",
     [
-        ([7, 0, 45, 1, 70], 16, 9, 160, 96),  # uneven + empty expert; K, N not tile multiples
+        ([7, 0, 45, 1, 70], 16, 9, 160, 96),  # uneven + empty expert; D, O not tile multiples
         ([0, 0, 130, 0], 1, 0, 128, 128),  # all rows to one expert, several m tiles
         ([33, 64, 2], 8, 0, 256, 64),
         ([1], 1, 0, 64, 32),  # one token, one expert
     ],
 )
-def test_grouped_gemm_matches_twin(counts, align, slack, K, N):
-    gen = torch.Generator().manual_seed(100 + sum(counts) + K + N)
+def test_grouped_gemm_matches_twin(counts, align, slack, D, O):
+    gen = torch.Generator().manual_seed(100 + sum(counts) + D + O)
     offsets, num_tokens, real = make_layout(counts, align, slack)
-    kw = dict(a=rand_a(real.shape[0], K, gen), b_LKN=rand_b(len(counts), K, N, gen),
+    kw = dict(a=rand_a(real.shape[0], D, gen), b_LDO=rand_b(len(counts), D, O, gen),
               row_offsets_L1=offsets, num_tokens_L=num_tokens)
     check("bf16", real, **kw)
 
@@ -93,7 +95,7 @@ def test_grouped_gemm_matches_twin(counts, align, slack, K, N):
 def test_grouped_gemm_no_tokens_touches_nothing():
     gen = torch.Generator().manual_seed(7)
     offsets, num_tokens, real = make_layout([0, 0, 0], 8, 5)
-    out = check("bf16", real, a=rand_a(real.shape[0], 64, gen), b_LKN=rand_b(3, 64, 32, gen),
+    out = check("bf16", real, a=rand_a(real.shape[0], 64, gen), b_LDO=rand_b(3, 64, 32, gen),
                 row_offsets_L1=offsets, num_tokens_L=num_tokens)
     assert bool((out == SENTINEL).all())
 
@@ -106,7 +108,7 @@ def test_grouped_gemm_gather_rows_from_larger_a():
     M = real.shape[0]
     a_row_ids = torch.full((M,), -1, dtype=torch.int32)
     a_row_ids[real.cpu()] = torch.randperm(300, generator=gen)[: sum(counts)].to(torch.int32)
-    check("bf16", real, a=rand_a(300, 128, gen), b_LKN=rand_b(4, 128, 64, gen),
+    check("bf16", real, a=rand_a(300, 128, gen), b_LDO=rand_b(4, 128, 64, gen),
           row_offsets_L1=offsets, num_tokens_L=num_tokens, a_row_ids=a_row_ids.to(device))
 
 
@@ -115,19 +117,19 @@ def test_grouped_gemm_fp8_a(scales):
     gen = torch.Generator().manual_seed(9)
     counts = [17, 0, 40]
     offsets, num_tokens, real = make_layout(counts, 4, 3)
-    M, K, rows = real.shape[0], 256, 150
+    M, D, rows = real.shape[0], 256, 150
     if scales == "power-of-two":
         # bf16(fp8 * 2^j) is exact on every device, so the bf16 tolerance applies
-        q = (torch.randn(rows, K, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-        s = 2.0 ** torch.randint(-9, -3, (rows, K // 128), generator=gen).float()
+        q = (torch.randn(rows, D, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        s = 2.0 ** torch.randint(-9, -3, (rows, D // 128), generator=gen).float()
         tol = "bf16"
     else:
         # what fp8 dispatch produces: scale = amax / 448 per 128 channels
-        q, s = reference.quantize_fp8(torch.randn(rows, K, generator=gen).to(torch.bfloat16))
+        q, s = reference.quantize_fp8(torch.randn(rows, D, generator=gen).to(torch.bfloat16))
         tol = "fp8"
     a_row_ids = torch.full((M,), -1, dtype=torch.int32)
     a_row_ids[real.cpu()] = torch.randperm(rows, generator=gen)[: sum(counts)].to(torch.int32)
-    check(tol, real, a=q.to(device), a_scales=s.to(device), b_LKN=rand_b(3, K, 96, gen),
+    check(tol, real, a=q.to(device), a_scales=s.to(device), b_LDO=rand_b(3, D, 96, gen),
           row_offsets_L1=offsets, num_tokens_L=num_tokens, a_row_ids=a_row_ids.to(device))
 
 
@@ -135,34 +137,34 @@ def test_grouped_gemm_fp8_without_gather():
     gen = torch.Generator().manual_seed(10)
     offsets, num_tokens, real = make_layout([5, 12], 8, 0)
     q, s = reference.quantize_fp8(torch.randn(real.shape[0], 128, generator=gen).to(torch.bfloat16))
-    check("fp8", real, a=q.to(device), a_scales=s.to(device), b_LKN=rand_b(2, 128, 32, gen),
+    check("fp8", real, a=q.to(device), a_scales=s.to(device), b_LDO=rand_b(2, 128, 32, gen),
           row_offsets_L1=offsets, num_tokens_L=num_tokens)
 
 
 def test_grouped_gemm_non_contiguous():
-    # a is a column slice of a wider buffer, b is stored [L, N, K] and viewed as [L, K, N],
+    # a is a column slice of a wider buffer, b is stored [L, O, D] and viewed as [L, D, O],
     # out is a column slice; the launcher passes every stride to the kernel
     gen = torch.Generator().manual_seed(11)
     offsets, num_tokens, real = make_layout([14, 0, 37], 4, 2)
-    M, K, N = real.shape[0], 96, 80
-    a = rand_a(M, K + 32, gen)[:, 32:]
-    b = rand_b(3, N, K, gen).transpose(1, 2)
+    M, D, O = real.shape[0], 96, 80
+    a = rand_a(M, D + 32, gen)[:, 32:]
+    b = rand_b(3, O, D, gen).transpose(1, 2)
     assert not a.is_contiguous() and not b.is_contiguous()
-    wide = torch.full((M, N + 16), SENTINEL, dtype=torch.bfloat16, device=device)
-    out = wide[:, 8:8 + N]
-    grouped_gemm(a=a, b_LKN=b, row_offsets_L1=offsets, num_tokens_L=num_tokens, out=out)
-    ref = grouped_gemm_ref(a=a.contiguous(), b_LKN=b.contiguous(), row_offsets_L1=offsets,
+    wide = torch.full((M, O + 16), SENTINEL, dtype=torch.bfloat16, device=device)
+    out = wide[:, 8:8 + O]
+    grouped_gemm(a=a, b_LDO=b, row_offsets_L1=offsets, num_tokens_L=num_tokens, out=out)
+    ref = grouped_gemm_torch(a=a.contiguous(), b_LDO=b.contiguous(), row_offsets_L1=offsets,
                            num_tokens_L=num_tokens)
     torch.testing.assert_close(out[real].float(), ref[real].float(), **TOL["bf16"])
     assert bool((wide[~real] == SENTINEL).all()) and bool((wide[:, :8] == SENTINEL).all())
-    assert bool((wide[:, 8 + N:] == SENTINEL).all())
+    assert bool((wide[:, 8 + O:] == SENTINEL).all())
 
 
 def test_grouped_gemm_persistent_grid_matches():
     # num_sms = 3 loops each program over many tiles; the result must not change
     gen = torch.Generator().manual_seed(12)
     offsets, num_tokens, real = make_layout([30, 0, 70, 9], 16, 0)
-    kw = dict(a=rand_a(real.shape[0], 64, gen), b_LKN=rand_b(4, 64, 128, gen),
+    kw = dict(a=rand_a(real.shape[0], 64, gen), b_LDO=rand_b(4, 64, 128, gen),
               row_offsets_L1=offsets, num_tokens_L=num_tokens)
     full = check("bf16", real, **kw)
     few = check("bf16", real, num_sms=3, **kw)
@@ -172,11 +174,11 @@ def test_grouped_gemm_persistent_grid_matches():
 def test_grouped_gemm_new_output():
     gen = torch.Generator().manual_seed(13)
     offsets, num_tokens, real = make_layout([6, 10], 1, 0)
-    kw = dict(a=rand_a(16, 64, gen), b_LKN=rand_b(2, 64, 32, gen), row_offsets_L1=offsets,
+    kw = dict(a=rand_a(16, 64, gen), b_LDO=rand_b(2, 64, 32, gen), row_offsets_L1=offsets,
               num_tokens_L=num_tokens)
     out = grouped_gemm(**kw)
     assert out.shape == (16, 32) and out.dtype == torch.bfloat16 and out.device.type == device
-    torch.testing.assert_close(out.float(), grouped_gemm_ref(**kw).float(), **TOL["bf16"])
+    torch.testing.assert_close(out.float(), grouped_gemm_torch(**kw).float(), **TOL["bf16"])
 
 
 @pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8"])
@@ -185,10 +187,10 @@ def test_expert_chain_matches_reference_experts(dispatch_dtype):
     # reference.experts: the twins exactly, the kernels within the chain tolerance
     cfg = EPConfig(hidden_size=128, n_experts=8, top_k=3, max_tokens_per_rank=24, intermediate_size=64,
                    gpus_per_node=2, expert_alignment=8, dispatch_dtype=dispatch_dtype)
-    xs, ids, _ = reference.make_inputs(cfg, [24, 19], seed=14, routing="skewed")
-    weights = reference.init_expert_weights(cfg, seed=14)
-    dispatched = reference.dispatch(cfg, xs, ids)
-    expected = reference.experts(cfg, dispatched, weights)
+    xs, ids, _ = make_inputs(cfg, [24, 19], seed=14, routing="skewed")
+    weights = init_expert_weights(cfg, seed=14)
+    dispatched = reference.dispatch_world(cfg, xs, ids)
+    expected = reference.experts_world(cfg, dispatched, weights)
     for rank, d in enumerate(dispatched):
         local = weights.local(rank, cfg.experts_per_rank)
         M = d.x.shape[0]
@@ -198,11 +200,11 @@ def test_expert_chain_matches_reference_experts(dispatch_dtype):
         a_row_ids = torch.where(d.src_info[:, 0] >= 0, M - 1 - torch.arange(M), -1).to(torch.int32).to(device)
         args = dict(row_offsets_L1=d.row_offsets.to(device), num_tokens_L=d.num_tokens.to(device))
         real = (a_row_ids >= 0).cpu()
-        for gemm, act, tol in ((grouped_gemm_ref, swiglu_ref, None), (grouped_gemm, swiglu, "chain")):
+        for gemm, act, tol in ((grouped_gemm_torch, swiglu_torch, None), (grouped_gemm, swiglu, "chain")):
             h = gemm(a=recv_x, a_scales=recv_scales, a_row_ids=a_row_ids,
-                     b_LKN=local.w_gate_up.to(device), **args)
+                     b_LDO=local.w_gate_up.to(device), **args)
             a = act(h_M2F=h, row_ids_M=a_row_ids, total_rows=args["row_offsets_L1"][-1:])
-            y = gemm(a=a, b_LKN=local.w_down.to(device), **args).cpu()
+            y = gemm(a=a, b_LDO=local.w_down.to(device), **args).cpu()
             if tol is None:
                 assert torch.equal(y[real], expected[rank][real])
             else:
@@ -210,9 +212,9 @@ def test_expert_chain_matches_reference_experts(dispatch_dtype):
 
 
 def _good_args():
-    L, K, N, M = 2, 128, 32, 8
-    return dict(a=torch.zeros(M, K, dtype=torch.bfloat16, device=device),
-                b_LKN=torch.zeros(L, K, N, dtype=torch.bfloat16, device=device),
+    L, D, O, M = 2, 128, 32, 8
+    return dict(a=torch.zeros(M, D, dtype=torch.bfloat16, device=device),
+                b_LDO=torch.zeros(L, D, O, dtype=torch.bfloat16, device=device),
                 row_offsets_L1=torch.tensor([0, 4, 8], dtype=torch.int32, device=device),
                 num_tokens_L=torch.tensor([4, 4], dtype=torch.int32, device=device))
 
@@ -220,9 +222,9 @@ def _good_args():
 F8 = torch.float8_e4m3fn
 BAD = [
     (dict(a=torch.zeros(8, 128, dtype=torch.float16)), "a must be bfloat16, float8_e4m3fn"),
-    (dict(a=torch.zeros(8, 64, dtype=torch.bfloat16)), "a has K = 64"),
-    (dict(b_LKN=torch.zeros(2, 128, dtype=torch.bfloat16)), "b_LKN must have 3 dimensions"),
-    (dict(b_LKN=torch.zeros(2, 128, 32, dtype=torch.float32)), "b_LKN must be bfloat16"),
+    (dict(a=torch.zeros(8, 64, dtype=torch.bfloat16)), "a has D = 64"),
+    (dict(b_LDO=torch.zeros(2, 128, dtype=torch.bfloat16)), "b_LDO must have 3 dimensions"),
+    (dict(b_LDO=torch.zeros(2, 128, 32, dtype=torch.float32)), "b_LDO must be bfloat16"),
     (dict(row_offsets_L1=torch.tensor([0, 8], dtype=torch.int32)), r"row_offsets_L1 must have shape \(3,\)"),
     (dict(row_offsets_L1=torch.tensor([0, 4, 8], dtype=torch.int64)), "row_offsets_L1 must be int32"),
     (dict(num_tokens_L=torch.tensor([4, 4], dtype=torch.int32, device="meta")), "num_tokens_L must be on"),
@@ -234,15 +236,15 @@ BAD = [
     (dict(a=torch.zeros(8, 128, dtype=F8), a_scales=torch.ones(8, 2)), r"a_scales must have shape \(8, 1\)"),
     (dict(a=torch.zeros(8, 128, dtype=F8), a_scales=torch.ones(8, 1, dtype=torch.float64)),
      "a_scales must be float32"),
-    (dict(a=torch.zeros(8, 64, dtype=F8), b_LKN=torch.zeros(2, 64, 32, dtype=torch.bfloat16)),
-     "K % 128 == 0"),
+    (dict(a=torch.zeros(8, 64, dtype=F8), b_LDO=torch.zeros(2, 64, 32, dtype=torch.bfloat16)),
+     "D % 128 == 0"),
     (dict(a_scales=torch.ones(8, 1)), "a_scales is only for fp8"),
     (dict(num_sms=0), "num_sms must be a positive int"),
 ]
 
 
 @pytest.mark.parametrize("change,match", BAD)
-@pytest.mark.parametrize("fn", [grouped_gemm, grouped_gemm_ref])
+@pytest.mark.parametrize("fn", [grouped_gemm, grouped_gemm_torch])
 def test_grouped_gemm_bad_inputs(fn, change, match):
     args = _good_args()
     for k, v in change.items():

@@ -1,4 +1,4 @@
-"""compute_layout (Triton) against its torch twin compute_layout_ref: every output exactly.
+"""compute_layout (Triton) against its torch twin compute_layout_torch: every output exactly.
 
 Without CUDA the kernels run in Triton's CPU interpreter; with CUDA the same tests run compiled.
 Legend: T tokens, K top-k, R ranks, L local experts per rank, E = R * L.
@@ -15,8 +15,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from ray_ep.errors import EPInputError  # noqa: E402
-from ray_ep.kernels.layout import (DispatchLayout, block_bases, block_bases_ref, block_tokens,  # noqa: E402
-                                  compute_layout, compute_layout_ref)
+from ray_ep.types import DispatchLayout  # noqa: E402
+from ray_ep.kernels.layout import (block_bases, block_bases_torch, block_tokens,  # noqa: E402
+                                  compute_layout, compute_layout_torch)
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 # triton 3.6's interpreter turns 1-element arrays into Python ints through a numpy path that
@@ -42,7 +43,7 @@ def random_ids(T, K, E, gen, masked=0.0, out_of_range=0.0):
 def check_equal(ids_TK, R, L):
     """Kernel and twin on ``ids_TK``; every field equal (dtype int32, on the ids' device)."""
     got = compute_layout(topk_ids_TK=ids_TK, world_size=R, experts_per_rank=L)
-    want = compute_layout_ref(topk_ids_TK=ids_TK, world_size=R, experts_per_rank=L)
+    want = compute_layout_torch(topk_ids_TK=ids_TK, world_size=R, experts_per_rank=L)
     T, K = ids_TK.shape
     shapes = {"token_slots_TR": (T, R), "ordinals_TK": (T, K), "expert_counts_E": (R * L,), "rank_counts_R": (R,)}
     for name in FIELDS:
@@ -152,7 +153,7 @@ def test_block_bases(T):
     gen = torch.Generator().manual_seed(T)
     ids = random_ids(T, K, R * L, gen, masked=0.1, out_of_range=0.05).to(device)
     bases, totals = block_bases(topk_ids_TK=ids, world_size=R, experts_per_rank=L)
-    want_b, want_t = block_bases_ref(topk_ids_TK=ids, world_size=R, experts_per_rank=L)
+    want_b, want_t = block_bases_torch(topk_ids_TK=ids, world_size=R, experts_per_rank=L)
     assert torch.equal(bases.cpu(), want_b.cpu()) and torch.equal(totals.cpu(), want_t.cpu())
     bt = block_tokens()
     assert bases.shape == (max(1, -(-T // bt)), R * L + R)
@@ -179,7 +180,7 @@ def test_non_contiguous_ids(T):
     ids = wide[:, 2:2 + K]
     assert not ids.is_contiguous() and ids.stride() == (7, 1)
     got = check_equal(ids, R, L)
-    want = compute_layout_ref(topk_ids_TK=ids.contiguous(), world_size=R, experts_per_rank=L)
+    want = compute_layout_torch(topk_ids_TK=ids.contiguous(), world_size=R, experts_per_rank=L)
     for name in FIELDS:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     check_semantics(got, ids, R, L)
@@ -196,7 +197,7 @@ def test_non_contiguous_ids(T):
     ],
     ids=["int64", "float32", "1-D", "transposed", "list"],
 )
-@pytest.mark.parametrize("fn", [compute_layout, compute_layout_ref], ids=["kernel", "twin"])
+@pytest.mark.parametrize("fn", [compute_layout, compute_layout_torch], ids=["kernel", "twin"])
 def test_bad_ids_raise(fn, ids, match):
     if isinstance(ids, torch.Tensor):
         ids = ids.to(device)
@@ -204,7 +205,7 @@ def test_bad_ids_raise(fn, ids, match):
         fn(topk_ids_TK=ids, world_size=2, experts_per_rank=2)
 
 
-@pytest.mark.parametrize("fn", [compute_layout, compute_layout_ref], ids=["kernel", "twin"])
+@pytest.mark.parametrize("fn", [compute_layout, compute_layout_torch], ids=["kernel", "twin"])
 def test_bad_topology_raises(fn):
     ids = torch.zeros(3, 2, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="must be positive"):

@@ -16,8 +16,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from ray_ep.errors import EPInputError  # noqa: E402
-from ray_ep.kernels.quant import (FP8_MAX, dequantize_fp8, dequantize_fp8_ref, quantize_fp8,  # noqa: E402
-                                  quantize_fp8_ref)
+from ray_ep import reference  # noqa: E402
+from ray_ep.config import FP8_MAX  # noqa: E402
+from ray_ep.fp8 import dequantize_fp8_torch, quantize_fp8_torch  # noqa: E402
+from ray_ep.kernels.quant import dequantize_fp8, quantize_fp8  # noqa: E402
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 # triton 3.6's interpreter turns 1-element arrays into Python ints through a numpy path that
@@ -56,9 +58,12 @@ def q_bytes(q: torch.Tensor) -> torch.Tensor:
 
 
 def check_quant(x_TH: torch.Tensor):
-    """Kernel and twin: scales bitwise equal, q bytewise equal (sign of zero included)."""
+    """Kernel, twin and the oracle: scales bitwise equal, q bytewise equal (sign of zero included)."""
     q, s = quantize_fp8(x_TH=x_TH)
-    q_ref, s_ref = quantize_fp8_ref(x_TH=x_TH)
+    q_ref, s_ref = quantize_fp8_torch(x_TH=x_TH)
+    q_oracle, s_oracle = reference.quantize_fp8(x_TH.cpu())
+    assert torch.equal(s_ref.cpu(), s_oracle) and torch.equal(q_bytes(q_ref.cpu()), q_bytes(q_oracle)), \
+        "the twin (ray_ep.fp8) and the oracle (ray_ep.reference) disagree"
     T, H = x_TH.shape
     assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (T, H) and q.is_contiguous()
     assert s.dtype == torch.float32 and tuple(s.shape) == (T, H // 128)
@@ -198,7 +203,7 @@ def test_dequantize_round_trip(T, H, out_dtype):
     x[0, :128] = 0.0  # an all-zero group comes back as zeros
     q, s = check_quant(x)
     got = dequantize_fp8(q_TH=q, scales_TG=s, out_dtype=out_dtype)
-    want = dequantize_fp8_ref(q_TH=q, scales_TG=s, out_dtype=out_dtype)
+    want = dequantize_fp8_torch(q_TH=q, scales_TG=s, out_dtype=out_dtype)
     assert got.dtype == out_dtype and tuple(got.shape) == (T, H)
     torch.testing.assert_close(got.float(), want.float(), **DEQ_TOL[out_dtype])
     assert bool((got[0, :128] == 0).all())
@@ -213,13 +218,12 @@ def test_dequantize_round_trip(T, H, out_dtype):
         assert torch.equal(q_bytes(q2), q_bytes(q)) and torch.equal(s2, s)
 
 
-def test_dequantize_ref_matches_reference_module():
-    from ray_ep import reference
-
+def test_dequantize_matches_the_oracle():
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(8)).to(device)
     q, s = quantize_fp8(x_TH=x)
     want = reference.dequantize_fp8(q.cpu(), s.cpu())
     assert torch.equal(dequantize_fp8(q_TH=q, scales_TG=s, out_dtype=torch.float32).cpu(), want)
+    assert torch.equal(dequantize_fp8_torch(q, s, out_dtype=torch.float32).cpu(), want)
 
 
 def _bad_quant_inputs():
@@ -256,8 +260,8 @@ def _bad_dequant_inputs():
 
 
 # (kernel, twin, a table of bad inputs): both must raise the same EPInputError
-_BAD_INPUTS = [(quantize_fp8, quantize_fp8_ref, c) for c in _bad_quant_inputs()] + \
-              [(dequantize_fp8, dequantize_fp8_ref, c) for c in _bad_dequant_inputs()]
+_BAD_INPUTS = [(quantize_fp8, quantize_fp8_torch, c) for c in _bad_quant_inputs()] + \
+              [(dequantize_fp8, dequantize_fp8_torch, c) for c in _bad_dequant_inputs()]
 
 
 @pytest.mark.parametrize("impl", ["kernel", "twin"])

@@ -10,6 +10,8 @@ import torch
 
 from ray_ep import reference as ref
 from ray_ep.config import EPConfig
+from ray_ep.inputs import make_inputs
+from ray_ep.weights import init_expert_weights
 
 WORLDS = [1, 2, 4, 8]
 H, F, E = 128, 64, 16
@@ -63,7 +65,7 @@ def expert_counts(ids):
 
 
 def check_dispatch(cfg, xs, ids, out):
-    """Check ``out = reference.dispatch(cfg, xs, ids)`` against the layout rule, recomputed."""
+    """Check ``out = reference.dispatch_world(cfg, xs, ids)`` against the layout rule, recomputed."""
     R, L, A = cfg.world_size, cfg.experts_per_rank, cfg.expert_alignment
     fp8 = cfg.dispatch_dtype == "fp8"
     assert len(out) == R
@@ -131,15 +133,15 @@ def moe_loop(cfg, xs, ids, ws, weights):
 
 def check_round_trip(cfg, xs, ids, ws):
     """combine(dispatch(x)) with identity experts == x * (sum of the token's valid weights)."""
-    d = ref.dispatch(cfg, xs, ids)
+    d = ref.dispatch_world(cfg, xs, ids)
     ys = []
     for dr in d:
         y = dr.dequantized()  # fp32 copy of each dispatched row: an identity expert
         y[dr.src_info[:, 0] < 0] = float("nan")  # combine must never read a padding row
         ys.append(y)
     T = [x.shape[0] for x in xs]
-    out32 = ref.combine(cfg, ys, d, ws, T, out_dtype=torch.float32)
-    out16 = ref.combine(cfg, ys, d, ws, T)
+    out32 = ref.combine_world(cfg, ys, d, ws, T, out_dtype=torch.float32)
+    out16 = ref.combine_world(cfg, ys, d, ws, T)
     for r, (x, ids_r, w_r) in enumerate(zip(xs, ids, ws)):
         src = ref.dequantize_fp8(*ref.quantize_fp8(x)) if cfg.dispatch_dtype == "fp8" else x.float()
         wsum = (w_r * (ids_r >= 0)).sum(dim=-1, keepdim=True)
@@ -150,45 +152,13 @@ def check_round_trip(cfg, xs, ids, ws):
 
 
 def check_layer(cfg, xs, ids, ws, seed=0):
-    weights = ref.init_expert_weights(cfg, seed=seed)
+    weights = init_expert_weights(cfg, seed=seed)
     got = ref.moe_forward(cfg, xs, ids, ws, weights)
     want = moe_loop(cfg, xs, ids, ws, weights)
     for r, (g, w, x) in enumerate(zip(got, want, xs)):
         assert g.shape == x.shape and g.dtype == x.dtype, r
         torch.testing.assert_close(g.float(), w.float(), **TOL["layer"], msg=lambda m: f"rank {r}: {m}")
     return got
-
-
-# ---- route ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("top_k", [1, 2, 4, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_route(top_k, dtype):
-    g = torch.Generator().manual_seed(100 + top_k)
-    logits = (3 * torch.randn(32, E, generator=g)).to(dtype)
-    ids, weights = ref.route(logits, top_k)
-    assert ids.shape == weights.shape == (32, top_k)
-    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
-    assert bool(((ids >= 0) & (ids < E)).all())
-    assert all(len(set(row)) == top_k for row in ids.tolist())  # distinct per token
-    torch.testing.assert_close(weights.sum(-1), torch.ones(32), atol=0, rtol=2**-20)
-    probs = torch.softmax(logits.float(), dim=-1)
-    top_w, top_ids = torch.topk(probs, top_k, dim=-1)
-    assert torch.equal(ids, top_ids.to(torch.int32))
-    torch.testing.assert_close(weights, top_w / top_w.sum(-1, keepdim=True), atol=0, rtol=2**-22)
-    # independent of topk: no unchosen expert beats a chosen one
-    chosen = torch.zeros(32, E, dtype=torch.bool).scatter_(1, ids.long(), True)
-    if top_k < E:
-        lowest_chosen = probs.masked_fill(~chosen, 2.0).amin(-1)
-        highest_other = probs.masked_fill(chosen, -1.0).amax(-1)
-        assert bool((lowest_chosen >= highest_other).all())
-
-
-def test_route_without_renormalize():
-    logits = torch.randn(8, E, generator=torch.Generator().manual_seed(7))
-    ids, weights = ref.route(logits, 4, renormalize=False)
-    probs = torch.softmax(logits, dim=-1)
-    assert torch.equal(weights, probs.gather(1, ids.long()))
-    assert bool((weights.sum(-1) < 1).all())
 
 
 # ---- fp8 -----------------------------------------------------------------------------------
@@ -260,25 +230,25 @@ def test_quantize_fp8_zero_tokens():
 @pytest.mark.parametrize("top_k, alignment", [(1, 1), (4, 1), (4, 8), (2, 4)])
 def test_dispatch_layout(R, top_k, alignment):
     cfg = make_cfg(R, top_k=top_k, alignment=alignment)
-    xs, ids, _ = ref.make_inputs(cfg, 32, seed=10 * R + top_k + alignment)
-    check_dispatch(cfg, xs, ids, ref.dispatch(cfg, xs, ids))
+    xs, ids, _ = make_inputs(cfg, 32, seed=10 * R + top_k + alignment)
+    check_dispatch(cfg, xs, ids, ref.dispatch_world(cfg, xs, ids))
 
 
 @pytest.mark.parametrize("R", [2, 8])
 def test_dispatch_layout_fp8(R):
     cfg = make_cfg(R, alignment=4, dispatch_dtype="fp8")
-    xs, ids, _ = ref.make_inputs(cfg, [32, 7] * (R // 2), seed=R)
-    check_dispatch(cfg, xs, ids, ref.dispatch(cfg, xs, ids))
+    xs, ids, _ = make_inputs(cfg, [32, 7] * (R // 2), seed=R)
+    check_dispatch(cfg, xs, ids, ref.dispatch_world(cfg, xs, ids))
 
 
 @pytest.mark.parametrize("R", WORLDS)
 def test_dispatch_skips_masked_ids(R):
     cfg = make_cfg(R, alignment=2)
-    xs, ids, _ = ref.make_inputs(cfg, 24, seed=R)
+    xs, ids, _ = make_inputs(cfg, 24, seed=R)
     ids = mask_ids(ids, 0.4, seed=R)
     ids[0][0] = -1  # one token with every slot unused
     assert int(sum((i < 0).sum() for i in ids)) > 0
-    out = ref.dispatch(cfg, xs, ids)
+    out = ref.dispatch_world(cfg, xs, ids)
     check_dispatch(cfg, xs, ids, out)
     for d in out:  # no row refers to an unused slot or to the fully masked token
         for src, t, k in d.src_info.tolist():
@@ -289,29 +259,29 @@ def test_dispatch_skips_masked_ids(R):
 
 def test_dispatch_non_contiguous_inputs():
     cfg = make_cfg(4, alignment=4)
-    xs, ids, _ = ref.make_inputs(cfg, [5, 0, 9, 3], seed=3)
+    xs, ids, _ = make_inputs(cfg, [5, 0, 9, 3], seed=3)
     wide_x = [torch.stack([x, -x], dim=2).reshape(x.shape[0], 2 * H)[:, ::2] for x in xs]
     wide_ids = [torch.stack([i, i], dim=0).transpose(0, 1)[:, 0] for i in ids]
     wide_x[2] = xs[2].t().contiguous().t()  # column-major
     assert not wide_x[0].is_contiguous() and not wide_x[2].is_contiguous()
-    for a, b in zip(ref.dispatch(cfg, xs, ids), ref.dispatch(cfg, wide_x, wide_ids)):
+    for a, b in zip(ref.dispatch_world(cfg, xs, ids), ref.dispatch_world(cfg, wide_x, wide_ids)):
         for field in ("x", "row_offsets", "num_tokens", "src_info"):
             assert torch.equal(getattr(a, field), getattr(b, field)), field
 
 
 def test_dispatch_needs_one_input_per_rank():
     cfg = make_cfg(4)
-    xs, ids, _ = ref.make_inputs(cfg, 2)
+    xs, ids, _ = make_inputs(cfg, 2)
     with pytest.raises(ValueError, match=r"one input per rank \(4\)"):
-        ref.dispatch(cfg, xs[:3], ids[:3])
+        ref.dispatch_world(cfg, xs[:3], ids[:3])
 
 
 def test_experts_on_dispatched_rows():
     cfg = make_cfg(2, alignment=8)
-    xs, ids, _ = ref.make_inputs(cfg, 16, seed=5)
-    d = ref.dispatch(cfg, xs, ids)
-    weights = ref.init_expert_weights(cfg, seed=5)
-    ys = ref.experts(cfg, d, weights)
+    xs, ids, _ = make_inputs(cfg, 16, seed=5)
+    d = ref.dispatch_world(cfg, xs, ids)
+    weights = init_expert_weights(cfg, seed=5)
+    ys = ref.experts_world(cfg, d, weights)
     for r, (dr, y) in enumerate(zip(d, ys)):
         assert y.shape == dr.x.shape and y.dtype == torch.bfloat16
         pad = dr.src_info[:, 0] < 0
@@ -330,7 +300,7 @@ def test_experts_on_dispatched_rows():
 @pytest.mark.parametrize("alignment, mask", [(1, 0.0), (8, 0.0), (4, 0.3)])
 def test_round_trip_identity_experts(R, alignment, mask):
     cfg = make_cfg(R, alignment=alignment)
-    xs, ids, ws = ref.make_inputs(cfg, 32, seed=R + alignment)
+    xs, ids, ws = make_inputs(cfg, 32, seed=R + alignment)
     if mask:
         ids = mask_ids(ids, mask, seed=R)
     check_round_trip(cfg, xs, ids, ws)
@@ -339,7 +309,7 @@ def test_round_trip_identity_experts(R, alignment, mask):
 @pytest.mark.parametrize("R", [1, 4])
 def test_round_trip_fp8(R):
     cfg = make_cfg(R, alignment=2, dispatch_dtype="fp8")
-    xs, ids, ws = ref.make_inputs(cfg, 16, seed=R)
+    xs, ids, ws = make_inputs(cfg, 16, seed=R)
     check_round_trip(cfg, xs, mask_ids(ids, 0.2, seed=R), ws)
 
 
@@ -355,120 +325,15 @@ def test_round_trip_fp8(R):
 def test_moe_forward_matches_per_token_loop(R, top_k, dispatch_dtype, n_shared, alignment):
     cfg = make_cfg(R, top_k=top_k, alignment=alignment, dispatch_dtype=dispatch_dtype, n_shared=n_shared)
     counts = [32, 17, 1, 0, 12, 5, 9, 3][:R]
-    xs, ids, ws = ref.make_inputs(cfg, counts, seed=R + top_k)
+    xs, ids, ws = make_inputs(cfg, counts, seed=R + top_k)
     check_layer(cfg, xs, mask_ids(ids, 0.15, seed=R), ws, seed=R)
-
-
-# ---- make_inputs ---------------------------------------------------------------------------
-@pytest.mark.parametrize("R", WORLDS)
-@pytest.mark.parametrize("routing", ["uniform", "skewed", "one-expert"])
-def test_make_inputs_shapes(R, routing):
-    cfg = make_cfg(R)
-    counts = [0, 1, 32, 7, 3, 32, 16, 2][:R]
-    xs, ids, ws = ref.make_inputs(cfg, counts, seed=1, routing=routing)
-    assert len(xs) == len(ids) == len(ws) == R
-    for T, x, i, w in zip(counts, xs, ids, ws):
-        assert x.shape == (T, H) and x.dtype == torch.bfloat16
-        assert i.shape == (T, 4) and i.dtype == torch.int32
-        assert w.shape == (T, 4) and w.dtype == torch.float32
-        assert bool(((i >= 0) & (i < E)).all())
-        assert all(len(set(row)) == 4 for row in i.tolist())
-        assert bool((w > 0).all())
-        torch.testing.assert_close(w.sum(-1), torch.ones(T), atol=0, rtol=2**-20)
-
-
-def test_make_inputs_int_count_and_dtype():
-    cfg = make_cfg(4)
-    xs, ids, ws = ref.make_inputs(cfg, 5, dtype=torch.float32)
-    assert [x.shape for x in xs] == [(5, H)] * 4 and xs[0].dtype == torch.float32
-    assert [i.shape for i in ids] == [(5, 4)] * 4
-
-
-@pytest.mark.parametrize("routing", ["uniform", "skewed", "one-expert"])
-def test_make_inputs_deterministic_per_seed(routing):
-    cfg = make_cfg(2)
-    a = ref.make_inputs(cfg, 16, seed=3, routing=routing)
-    b = ref.make_inputs(cfg, 16, seed=3, routing=routing)
-    c = ref.make_inputs(cfg, 16, seed=4, routing=routing)
-    for part_a, part_b, part_c in zip(a, b, c):
-        assert all(torch.equal(p, q) for p, q in zip(part_a, part_b))
-        assert not all(torch.equal(p, q) for p, q in zip(part_a, part_c))
-
-
-def test_make_inputs_skewed_concentrates():
-    cfg = make_cfg(4)
-    T = 32
-    uniform_share = 4 * T * cfg.top_k / E  # 32 slots per expert if spread evenly
-    skewed = expert_counts(ref.make_inputs(cfg, T, seed=0, routing="skewed")[1])
-    uniform = expert_counts(ref.make_inputs(cfg, T, seed=0, routing="uniform")[1])
-    assert int(skewed.sum()) == int(uniform.sum()) == 4 * T * cfg.top_k
-    assert int(skewed.max()) >= 2 * uniform_share  # Zipf(1.2): the top expert is in most tokens
-    assert int(skewed.max()) > int(uniform.max())
-    # a sharper Zipf concentrates more
-    sharper = expert_counts(ref.make_inputs(cfg, T, seed=0, routing="skewed", zipf_s=3.0)[1])
-    assert int(sharper.sort(descending=True).values[:4].sum()) > int(skewed.sort(descending=True).values[:4].sum())
-
-
-def test_make_inputs_one_expert():
-    cfg = make_cfg(4)
-    _, ids, _ = ref.make_inputs(cfg, [8, 0, 3, 32], seed=2, routing="one-expert")
-    for i in ids:
-        assert bool((i[:, 0] == 0).all())
-    assert int(expert_counts(ids)[0]) == 8 + 0 + 3 + 32
-
-
-def test_make_inputs_bad_routing():
-    with pytest.raises(ValueError) as info:
-        ref.make_inputs(make_cfg(2), 4, routing="zipf")
-    msg = str(info.value)
-    assert "'zipf'" in msg and "'uniform'" in msg and "'skewed'" in msg and "'one-expert'" in msg
-
-
-# ---- expert weights ------------------------------------------------------------------------
-def test_init_expert_weights_shapes():
-    cfg = make_cfg(4, n_shared=2)
-    w = ref.init_expert_weights(cfg, seed=1)
-    assert w.w_gate_up.shape == (E, H, 2 * F) and w.w_down.shape == (E, F, H)
-    assert w.shared_gate_up.shape == (2, H, 2 * F) and w.shared_down.shape == (2, F, H)
-    assert {t.dtype for t in (w.w_gate_up, w.w_down, w.shared_gate_up, w.shared_down)} == {torch.bfloat16}
-    # O(1) activations through an expert: entries ~ N(0, 1/H) and N(0, 1/F)
-    assert 0.5 < float(w.w_gate_up.float().std() * H**0.5) < 1.5
-    assert 0.5 < float(w.w_down.float().std() * F**0.5) < 1.5
-    none = ref.init_expert_weights(make_cfg(4), seed=1, dtype=torch.float32)
-    assert none.shared_gate_up.shape == (0, H, 2 * F) and none.shared_down.shape == (0, F, H)
-    assert none.w_down.dtype == none.shared_down.dtype == torch.float32
-
-
-@pytest.mark.parametrize("R", WORLDS)
-def test_init_expert_weights_rank_slice(R):
-    cfg = make_cfg(R, n_shared=1)
-    L = cfg.experts_per_rank
-    world = ref.init_expert_weights(cfg, seed=9)
-    for rank in range(R):
-        mine = ref.init_expert_weights(cfg, seed=9, experts=range(rank * L, (rank + 1) * L))
-        local = world.local(rank, L)
-        for got in (mine, local):
-            assert torch.equal(got.w_gate_up, world.w_gate_up[rank * L:(rank + 1) * L])
-            assert torch.equal(got.w_down, world.w_down[rank * L:(rank + 1) * L])
-            assert torch.equal(got.shared_gate_up, world.shared_gate_up)  # shared: replicated
-            assert torch.equal(got.shared_down, world.shared_down)
-    empty = ref.init_expert_weights(cfg, seed=9, experts=range(0))
-    assert empty.w_gate_up.shape == (0, H, 2 * F)
-
-
-def test_init_expert_weights_seeded():
-    cfg = make_cfg(2, n_shared=1)
-    a, b, c = (ref.init_expert_weights(cfg, seed=s) for s in (1, 1, 2))
-    assert torch.equal(a.w_gate_up, b.w_gate_up) and torch.equal(a.shared_down, b.shared_down)
-    assert not torch.equal(a.w_gate_up, c.w_gate_up) and not torch.equal(a.shared_down, c.shared_down)
-    assert not torch.equal(a.w_gate_up[0], a.w_gate_up[1])  # experts differ from each other
 
 
 # ---- edge cases ----------------------------------------------------------------------------
 def test_rank_with_zero_tokens():
     cfg = make_cfg(4, alignment=4, n_shared=1)
-    xs, ids, ws = ref.make_inputs(cfg, [0, 5, 0, 11], seed=21)
-    check_dispatch(cfg, xs, ids, ref.dispatch(cfg, xs, ids))
+    xs, ids, ws = make_inputs(cfg, [0, 5, 0, 11], seed=21)
+    check_dispatch(cfg, xs, ids, ref.dispatch_world(cfg, xs, ids))
     check_round_trip(cfg, xs, ids, ws)
     out = check_layer(cfg, xs, ids, ws)
     assert out[0].shape == (0, H) and out[2].shape == (0, H)
@@ -477,8 +342,8 @@ def test_rank_with_zero_tokens():
 @pytest.mark.parametrize("R", WORLDS)
 def test_no_tokens_anywhere(R):
     cfg = make_cfg(R, alignment=8, n_shared=1)
-    xs, ids, ws = ref.make_inputs(cfg, 0)
-    out = ref.dispatch(cfg, xs, ids)
+    xs, ids, ws = make_inputs(cfg, 0)
+    out = ref.dispatch_world(cfg, xs, ids)
     for d in out:
         assert d.x.shape == (0, H) and d.src_info.shape == (0, 3)
         assert d.row_offsets.tolist() == [0] * (cfg.experts_per_rank + 1)
@@ -489,8 +354,8 @@ def test_no_tokens_anywhere(R):
 @pytest.mark.parametrize("R", WORLDS)
 def test_one_token_per_rank(R):
     cfg = make_cfg(R, alignment=2, n_shared=1)
-    xs, ids, ws = ref.make_inputs(cfg, 1, seed=R)
-    check_dispatch(cfg, xs, ids, ref.dispatch(cfg, xs, ids))
+    xs, ids, ws = make_inputs(cfg, 1, seed=R)
+    check_dispatch(cfg, xs, ids, ref.dispatch_world(cfg, xs, ids))
     check_round_trip(cfg, xs, ids, ws)
     check_layer(cfg, xs, ids, ws)
 
@@ -499,9 +364,9 @@ def test_one_token_per_rank(R):
 def test_all_tokens_to_one_expert(R):
     cfg = make_cfg(R, top_k=1, alignment=8)
     L, hot = cfg.experts_per_rank, 13
-    xs, _, ws = ref.make_inputs(cfg, [32, 3, 17, 0, 1, 32, 8, 30][:R], seed=R)
+    xs, _, ws = make_inputs(cfg, [32, 3, 17, 0, 1, 32, 8, 30][:R], seed=R)
     ids = [torch.full((x.shape[0], 1), hot, dtype=torch.int32) for x in xs]
-    out = ref.dispatch(cfg, xs, ids)
+    out = ref.dispatch_world(cfg, xs, ids)
     check_dispatch(cfg, xs, ids, out)
     total = sum(x.shape[0] for x in xs)
     holder = hot // L
@@ -517,8 +382,8 @@ def test_all_tokens_to_one_expert(R):
 
 def test_one_expert_routing_layer():
     cfg = make_cfg(4, alignment=4)
-    xs, ids, ws = ref.make_inputs(cfg, 8, seed=8, routing="one-expert")
-    out = ref.dispatch(cfg, xs, ids)
+    xs, ids, ws = make_inputs(cfg, 8, seed=8, routing="one-expert")
+    out = ref.dispatch_world(cfg, xs, ids)
     check_dispatch(cfg, xs, ids, out)
     assert int(out[0].num_tokens[0]) == 4 * 8
     check_layer(cfg, xs, ids, ws)
@@ -527,12 +392,12 @@ def test_one_expert_routing_layer():
 def test_rank_that_receives_nothing():
     cfg = make_cfg(4, alignment=4, n_shared=1)
     L = cfg.experts_per_rank
-    xs, _, ws = ref.make_inputs(cfg, 8, seed=31)
+    xs, _, ws = make_inputs(cfg, 8, seed=31)
     g = torch.Generator().manual_seed(31)
     # every token picks 4 distinct experts among those of ranks 0..2; rank 3 gets no row
     ids = [torch.stack([torch.randperm(3 * L, generator=g)[:4] for _ in range(8)]).to(torch.int32)
            for _ in range(4)]
-    out = ref.dispatch(cfg, xs, ids)
+    out = ref.dispatch_world(cfg, xs, ids)
     check_dispatch(cfg, xs, ids, out)
     assert out[3].x.shape == (0, H) and out[3].row_offsets.tolist() == [0] * (L + 1)
     check_round_trip(cfg, xs, ids, ws)
@@ -541,11 +406,11 @@ def test_rank_that_receives_nothing():
 
 def test_all_slots_masked():
     cfg = make_cfg(2, n_shared=1)
-    xs, ids, ws = ref.make_inputs(cfg, 6, seed=4)
+    xs, ids, ws = make_inputs(cfg, 6, seed=4)
     ids = [torch.full_like(i, -1) for i in ids]
-    assert all(d.x.shape[0] == 0 for d in ref.dispatch(cfg, xs, ids))
+    assert all(d.x.shape[0] == 0 for d in ref.dispatch_world(cfg, xs, ids))
     out = check_layer(cfg, xs, ids, ws)  # shared experts only
-    weights = ref.init_expert_weights(cfg)
+    weights = init_expert_weights(cfg)
     for o, x in zip(out, xs):
         torch.testing.assert_close(o.float(), ref.shared_experts(x, weights).to(torch.bfloat16).float(), atol=0, rtol=0)
 
@@ -555,10 +420,10 @@ def test_largest_receive_side(R, alignment):
     # every rank sends N_max tokens, each to min(K, L) experts of rank 0: the most rank 0 can get
     cfg = make_cfg(R, alignment=alignment)
     N, KL = cfg.max_tokens_per_rank, cfg.experts_per_token_rank
-    xs, _, ws = ref.make_inputs(cfg, N, seed=R)
+    xs, _, ws = make_inputs(cfg, N, seed=R)
     row = list(range(KL)) + list(range(cfg.experts_per_rank, cfg.experts_per_rank + cfg.top_k - KL))
     ids = [torch.tensor([row] * N, dtype=torch.int32) for _ in range(R)]
-    out = ref.dispatch(cfg, xs, ids)
+    out = ref.dispatch_world(cfg, xs, ids)
     check_dispatch(cfg, xs, ids, out)
     assert int(out[0].num_tokens.sum()) == R * N * KL
     if alignment == 1:

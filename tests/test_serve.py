@@ -34,6 +34,8 @@ from ray_ep.serving.model import (LOGIT_TOLERANCE, ModelWeights, MoEModelConfig,
                                   moe_layer_reference, pack_sequences, read_checkpoint_config, save_checkpoint)
 from ray_ep.serving.server import (RequestError, ServeOptions, ServerStats, add_arguments, options_from_args,
                                    percentile, summarize_phases, validate_request)
+from ray_ep.inputs import make_inputs
+from ray_ep.weights import init_expert_weights
 
 REPO = Path(__file__).resolve().parents[1]
 requests = pytest.importorskip("requests")
@@ -187,8 +189,8 @@ def test_moe_layer_reference_is_the_reference_math():
     2 ranks with a bf16 wire it differs from it by about one bf16 rounding."""
     cfg = EPConfig(hidden_size=128, n_experts=16, top_k=4, intermediate_size=64, n_shared_experts=1,
                    max_tokens_per_rank=64)
-    w = reference.init_expert_weights(cfg, seed=2)
-    xs, ids, ws = reference.make_inputs(cfg, 40, seed=3)
+    w = init_expert_weights(cfg, seed=2)
+    xs, ids, ws = make_inputs(cfg, 40, seed=3)
     x = xs[0].float()  # fp32 in and out of moe_forward: no final bf16 rounding
     want = reference.moe_forward(cfg, [x], ids, ws, w)[0]
     got = moe_layer_reference(x, ids[0], ws[0], w, world_size=1, combine_dtype="fp32")

@@ -33,7 +33,7 @@ Health pings while a method runs
     methods, its constructor included, still run one at a time on one thread (not the
     process's main thread). Set per-thread state (e.g. the CUDA device) in the constructor.
 
-Failure model (DESIGN.md, "Ray")
+Failure model (docs/design.md, "Ray")
     A start-up failure tears everything down (actors killed, placement group removed) and
     raises. A dead rank, or a call that runs past its timeout (the ranks are then out of step),
     marks the group failed: every later call raises :class:`EPStateError`, because NVSHMEM

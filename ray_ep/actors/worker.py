@@ -23,17 +23,19 @@ import torch
 from .. import reference
 from ..config import EPConfig
 from ..errors import EPInputError, EPStateError
-from ..kernels.dispatch import DispatchHandle
+from ..inputs import make_inputs
 from ..kernels.experts import ExpertScratch, LocalExperts, run_experts, shared_experts
 from ..transport.base import Transport
+from ..transport.nvshmem import NO_MULTICAST_ENV
+from ..types import DispatchHandle
+from ..validation import validate_moe_inputs
+from ..weights import init_expert_weights
 from .group import WorkerContext
 
 log = logging.getLogger(__name__)
 
 CHECK_LAYER = -1  # the expert-layer slot that check() loads its seeded experts into
 
-# set in every worker before any GPU library starts (NVLink multicast must stay off)
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 @dataclass(frozen=True)
@@ -49,42 +51,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def validate_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
-                    topk_weights_TK: torch.Tensor, rank: int | None = None) -> None:
-    """Raise EPInputError for anything a dispatch cannot take; syncs (not for hot loops)."""
-    who = f"rank {rank}: " if rank is not None else ""
-    if not isinstance(x_TH, torch.Tensor) or x_TH.dim() != 2 or x_TH.shape[1] != cfg.hidden_size:
-        got = tuple(x_TH.shape) if isinstance(x_TH, torch.Tensor) else type(x_TH).__name__
-        raise EPInputError(f"{who}x must be [T, hidden_size={cfg.hidden_size}], got {got}")
-    T = x_TH.shape[0]
-    if T > cfg.max_tokens_per_rank:
-        raise EPInputError(f"{who}{T} tokens exceed max_tokens_per_rank = {cfg.max_tokens_per_rank}; "
-                           f"split the batch or raise max_tokens_per_rank")
-    if x_TH.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise EPInputError(f"{who}x must be bf16, fp16 or fp32, got {x_TH.dtype}")
-    for name, t, dt in (("topk_ids", topk_ids_TK, (torch.int32, torch.int64)),
-                        ("topk_weights", topk_weights_TK, (torch.float32, torch.bfloat16, torch.float16))):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (T, cfg.top_k):
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise EPInputError(f"{who}{name} must be [T={T}, top_k={cfg.top_k}], got {got}")
-        if t.dtype not in dt:
-            raise EPInputError(f"{who}{name} has dtype {t.dtype}; use one of {[str(d) for d in dt]}")
-    if T:
-        lo, hi = int(topk_ids_TK.min()), int(topk_ids_TK.max())
-        if lo < -1 or hi >= cfg.n_experts:
-            raise EPInputError(f"{who}topk_ids must lie in [0, n_experts={cfg.n_experts}) or be -1 (unused), "
-                               f"found values in [{lo}, {hi}]")
-        ids = topk_ids_TK.long()
-        valid = ids >= 0
-        same = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :]
-        if int(same.sum()) != int(valid.sum()):
-            raise EPInputError(f"{who}a token lists the same expert twice in topk_ids; experts must be distinct")
-        if not bool(torch.isfinite(topk_weights_TK.float()).all()):
-            raise EPInputError(f"{who}topk_weights contain NaN or Inf")
-        if not bool(torch.isfinite(x_TH.float()).all()):
-            raise EPInputError(f"{who}x contains NaN or Inf")
 
 
 class PhaseStats:
@@ -139,7 +105,7 @@ class EPWorker:
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
         self.rank = ctx.rank
-        for k, v in GPU_ENV.items():
+        for k, v in NO_MULTICAST_ENV.items():  # before any GPU library starts
             os.environ.setdefault(k, v)
         if ctx.use_gpu:
             if not torch.cuda.is_available():
@@ -245,11 +211,10 @@ class EPWorker:
         """Experts of MoE layer ``layer``: seeded random (this rank's slice of the world's), or
         given local tensors (keys of :class:`LocalExperts`, already sharded to this rank).
         Returns the bytes loaded."""
-        g = self._group(group)
+        g = self.group_state(group)
         cfg = g.cfg
         if weights is None:
-            w = reference.init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(cfg),
-                                              device=self.device)
+            w = init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(cfg), device=self.device)
             experts = LocalExperts(w.w_gate_up, w.w_down, w.shared_gate_up, w.shared_down)
         else:
             experts = LocalExperts(**{k: v.to(self.device, torch.bfloat16) for k, v in weights.items()})
@@ -263,7 +228,9 @@ class EPWorker:
         L = cfg.experts_per_rank
         return range(self.rank * L, (self.rank + 1) * L)
 
-    def _group(self, name: str = "main") -> "EPGroupState":
+    def group_state(self, name: str = "main") -> "EPGroupState":
+        """The transports, experts and scratch of a config on this rank ("main", or a name
+        given to :meth:`add_group`)."""
         if name not in self.groups:
             if name == "main":
                 raise EPStateError(f"rank {self.rank}: not initialised; start the cluster first")
@@ -271,10 +238,12 @@ class EPWorker:
         return self.groups[name]
 
     def _cfg(self) -> EPConfig:
-        return self._group().cfg
+        return self.group_state().cfg
 
-    def _transport(self, backend: str | None = None, group: str = "main") -> Transport:
-        g = self._group(group)
+    def transport(self, backend: str | None = None, group: str = "main") -> Transport:
+        """This rank's end of ``backend`` (default: the cluster's) for ``group``: the object whose
+        dispatch / combine code run through :meth:`run` (benchmarks, custom loops) calls."""
+        g = self.group_state(group)
         name = backend or self.backend
         if name not in g.transports:
             raise EPStateError(f"rank {self.rank}: backend {name!r} is not initialised here "
@@ -282,9 +251,9 @@ class EPWorker:
         return g.transports[name]
 
     def _inputs(self, x_TH, topk_ids_TK, topk_weights_TK, validate: bool = True, group: str = "main"):
-        cfg = self._group(group).cfg
+        cfg = self.group_state(group).cfg
         if validate:
-            validate_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, self.rank)
+            validate_moe_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, self.rank)
         x = x_TH.to(self.device)
         if cfg.dispatch_dtype == "bf16":
             x = x.to(torch.bfloat16)
@@ -292,20 +261,22 @@ class EPWorker:
                 topk_weights_TK.to(self.device, torch.float32).contiguous())
 
     # ---- phases (debugging and jobs) -----------------------------------------------------------
-    def dispatch(self, x_TH, topk_ids_TK, topk_weights_TK, fused: bool = True,
-                 backend: str | None = None) -> DispatchSummary:
-        """Dispatch this rank's tokens; keeps the handle for :meth:`compute` and :meth:`combine`."""
-        t = self._transport(backend)
-        x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK)
+    def dispatch(self, x_TH, topk_ids_TK, topk_weights_TK, fused: bool = True, backend: str | None = None,
+                 validate: bool = True) -> DispatchSummary:
+        """Dispatch this rank's tokens; keeps the handle for :meth:`compute` and :meth:`combine`.
+        ``validate=False``: the caller (the driver) has checked the inputs already."""
+        t = self.transport(backend)
+        x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate)
         self._x, self._y = x, None
-        self._handle = t.dispatch(x, ids, w) if fused else t.dispatch_recv(t.dispatch_send(x, ids, w))
+        self._handle = t.dispatch(x, ids, w, fused=fused)
         r = self._handle.recv
         return DispatchSummary(self.rank, r.num_tokens_L.tolist(), r.recv_counts_R.tolist())
 
-    def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK, backend: str | None = None) -> None:
+    def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK, backend: str | None = None,
+                      validate: bool = True) -> None:
         """Split form, first half: returns once the sends are queued."""
-        t = self._transport(backend)
-        x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK)
+        t = self.transport(backend)
+        x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate)
         self._x, self._y, self._handle = x, None, None
         self._pending = (t, t.dispatch_send(x, ids, w))
 
@@ -321,14 +292,9 @@ class EPWorker:
     def dispatched(self) -> dict[str, torch.Tensor]:
         """The expert-major rows this rank received (materialised, on CPU) and their layout."""
         h = self._need_handle("dispatched")
-        M = int(h.recv.row_offsets_L1[-1])
-        ids = h.recv.row_ids_M[:M].long()
-        valid = ids >= 0
-        rows = h.x_rows[ids.clamp(min=0)]
-        if h.scales_rows is not None:
-            rows = reference.dequantize_fp8(rows, h.scales_rows[ids.clamp(min=0)])
-        rows = torch.where(valid[:, None], rows.float(), 0.0)
-        return {"x": rows.cpu(), "row_offsets": h.recv.row_offsets_L1.cpu(), "num_tokens": h.recv.num_tokens_L.cpu()}
+        r = h.recv
+        rows = h.expert_major_rows(int(r.row_offsets_L1[-1]))
+        return {"x": rows.cpu(), "row_offsets": r.row_offsets_L1.cpu(), "num_tokens": r.num_tokens_L.cpu()}
 
     def _need_handle(self, what: str) -> DispatchHandle:
         if self._handle is None:
@@ -336,7 +302,7 @@ class EPWorker:
         return self._handle
 
     def _experts_of(self, layer: int, group: str = "main") -> LocalExperts:
-        g = self._group(group)
+        g = self.group_state(group)
         if layer not in g.experts:
             raise EPStateError(f"rank {self.rank}: no experts loaded for layer {layer}; call load_experts first")
         return g.experts[layer]
@@ -345,7 +311,7 @@ class EPWorker:
         """Run this rank's experts (of MoE layer ``layer``) over the last dispatch."""
         h = self._need_handle("compute")
         self._layer = layer
-        self._y = run_experts(handle=h, experts=self._experts_of(layer), scratch=self._group().scratch)
+        self._y = run_experts(handle=h, experts=self._experts_of(layer), scratch=self.group_state().scratch)
 
     def combine(self, fused: bool = True, backend: str | None = None, out_dtype: str = "bf16") -> torch.Tensor:
         """Return expert outputs to their tokens; out [T, H] on CPU (shared experts included)."""
@@ -356,21 +322,18 @@ class EPWorker:
         h = self._need_handle("combine")
         if self._y is None:
             raise EPStateError(f"rank {self.rank}: combine needs compute() after dispatch")
-        t = self._transport(backend)
+        t = self.transport(backend)
         add = shared_experts(self._x, self._experts_of(self._layer))
         dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[out_dtype]
-        if fused:
-            out = t.combine(self._y, h, dt, add)
-        else:
-            out = t.combine_recv(t.combine_send(self._y, h), dt, add)
+        out = t.combine(self._y, h, dt, add, fused=fused)
         self._handle, self._y = None, None
         return out
 
     def forward(self, x_TH, topk_ids_TK, topk_weights_TK, fused: bool = True, backend: str | None = None,
-                out_dtype: str = "bf16", layer: int = 0) -> torch.Tensor:
+                out_dtype: str = "bf16", layer: int = 0, validate: bool = True) -> torch.Tensor:
         """One whole MoE layer on this rank's tokens; out [T, H] on CPU."""
         out = self.moe(x_TH, topk_ids_TK, topk_weights_TK, fused=fused, backend=backend,
-                       out_dtype=out_dtype, layer=layer)
+                       out_dtype=out_dtype, layer=layer, validate=validate)
         return out.cpu()
 
     def moe(self, x_TH, topk_ids_TK, topk_weights_TK, fused: bool = True, backend: str | None = None,
@@ -378,32 +341,32 @@ class EPWorker:
         """One MoE layer (dispatch, experts of ``layer``, combine, shared experts), output on this
         rank's device. Collective: every rank calls it (with 0 tokens if it has none), in the
         same order."""
-        t = self._transport(backend, group)
-        g = self._group(group)
+        t = self.transport(backend, group)
+        g = self.group_state(group)
         experts = self._experts_of(layer, group)
         x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate, group=group)
         self._handle = self._y = None  # the phase-by-phase state does not survive a whole layer
         with self.stats.phase("dispatch"):
-            h = t.dispatch(x, ids, w) if fused else t.dispatch_recv(t.dispatch_send(x, ids, w))
+            h = t.dispatch(x, ids, w, fused=fused)
         self.stats.count_tokens(h.recv.num_tokens_L, x.shape[0])
         with self.stats.phase("experts"):
             y = run_experts(handle=h, experts=experts, scratch=g.scratch)
             add = shared_experts(x, experts)
         dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[out_dtype]
         with self.stats.phase("combine"):
-            return t.combine(y, h, dt, add) if fused else t.combine_recv(t.combine_send(y, h), dt, add)
+            return t.combine(y, h, dt, add, fused=fused)
 
     def check(self, *, group: str = "main", backend: str | None = None, num_tokens, seed: int = 0,
               routing: str = "uniform", rounds: int = 1, fused: bool = True, expert_seed: int = 0) -> dict:
         """Run ``rounds`` layers on seeded inputs and compare this rank's output with
         :func:`ray_ep.reference.moe_forward` computed here for the whole world (every rank
         rebuilds all inputs from the seed). Returns {"max_abs": .., "rel": ..} (collective)."""
-        g = self._group(group)
+        g = self.group_state(group)
         cfg = g.cfg
         self.load_experts(seed=expert_seed, layer=CHECK_LAYER, group=group)
         key = (cfg.hidden_size, cfg.intermediate_size, cfg.n_experts, cfg.n_shared_experts, expert_seed)
         if self._ref_weights[0] != key:  # the whole world's experts, for the reference (CPU)
-            self._ref_weights = (key, reference.init_expert_weights(cfg, seed=expert_seed))
+            self._ref_weights = (key, init_expert_weights(cfg, seed=expert_seed))
         weights = self._ref_weights[1]
         max_abs = rel = 0.0
         try:
@@ -415,9 +378,9 @@ class EPWorker:
     def _check_rounds(self, group, backend, cfg, weights, num_tokens, seed, routing, rounds, fused):
         max_abs = rel = 0.0
         for i in range(rounds):
-            xs, ids, ws = reference.make_inputs(cfg, num_tokens, seed=seed + i, routing=routing)
+            xs, ids, ws = make_inputs(cfg, num_tokens, seed=seed + i, routing=routing)
             out = self.moe(xs[self.rank], ids[self.rank], ws[self.rank], fused=fused, backend=backend,
-                           out_dtype=cfg.combine_dtype, layer=CHECK_LAYER, group=group)
+                           out_dtype=cfg.combine_dtype, layer=CHECK_LAYER, group=group, validate=False)
             ref = reference.moe_forward(cfg, xs, ids, ws, weights)[self.rank]
             if ref.numel():
                 diff = (out.float().cpu() - ref.float()).abs().max().item()
@@ -430,32 +393,6 @@ class EPWorker:
         custom loop) that runs on the rank's device and calls :meth:`moe` collectively."""
         return fn(self, *args, **kwargs)
 
-    def bench(self, kind: str, group: str = "main", backend: str | None = None, **kwargs) -> dict:
-        """One benchmark row on this rank (see :mod:`ray_ep.actors.timing`); collective.
-
-        kind: ``comm`` (dispatch and combine), ``layer`` (whole MoE layer), ``all_to_all``
-        (raw NCCL, equal splits), ``peer_copy`` (copy engine, rank 0 -> rank 1), ``soak``
-        (many correctness rounds in a row, no timing)."""
-        from . import timing
-
-        g = self._group(group)
-        t = self._transport(backend, group)
-        if kind == "comm":
-            r = timing.bench_comm(t, g.cfg, self.rank, self.device, **kwargs)
-        elif kind == "layer":
-            if g.scratch is None or 0 not in g.experts:
-                self.load_experts(seed=0, group=group)
-            r = timing.bench_layer(t, g.cfg, self.rank, self.device, experts=g.experts[0], scratch=g.scratch, **kwargs)
-        elif kind == "soak":
-            return timing.soak(t, g.cfg, self.rank, self.device, **kwargs)
-        elif kind == "all_to_all":
-            r = timing.bench_alltoall(self._transport("torch", group), g.cfg, self.rank, self.device, **kwargs)
-        elif kind == "peer_copy":
-            r = timing.bench_peer_copy(self._transport("nvshmem", group), self.rank, self.device, **kwargs)
-        else:
-            raise EPInputError(f"unknown benchmark kind {kind!r}: use comm, layer, soak, all_to_all or peer_copy")
-        return r.to_dict()
-
     def set_profiling(self, enabled: bool) -> None:
         """Time each phase of :meth:`moe` (synchronises the device) and count tokens per expert."""
         self.stats.enabled = enabled
@@ -466,7 +403,7 @@ class EPWorker:
         return self.stats.snapshot()
 
     def barrier(self) -> None:
-        self._transport("torch").barrier()
+        self.transport("torch").barrier()
 
     def ping(self) -> float:
         return time.time()

@@ -154,6 +154,6 @@ def staged(EMULATE: tl.constexpr):
 
 
 @triton.jit
-def other_node(a, b, G):
-    """True when ranks a and b sit on different nodes of G ranks each."""
-    return (a // G) != (b // G)
+def other_node(a, b, ranks_per_node):
+    """True when ranks a and b sit on different nodes of ranks_per_node ranks each."""
+    return (a // ranks_per_node) != (b // ranks_per_node)

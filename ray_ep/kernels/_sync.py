@@ -56,12 +56,12 @@ def last_program_done(counter_ptr):
 
 
 @triton.jit
-def release_signals(peer_bases_ptr, R, G, signal_offset_bytes, slot, value, R_PAD: tl.constexpr):
+def release_signals(peer_bases_ptr, R, ranks_per_node, signal_offset_bytes, slot, value, R_PAD: tl.constexpr):
     """Publish ``value`` in slot ``slot`` of the signal array of every rank on this node (nodes
-    of G ranks; ``slot`` is this rank), release, system scope, one lane per rank so the
+    of ranks_per_node ranks; ``slot`` is this rank), release, system scope, one lane per rank so the
     releases go out together. Call after a CTA barrier that follows the stores they publish."""
     d = tl.arange(0, R_PAD)
-    near = (d < R) & ((d // G) == (slot // G))
+    near = (d < R) & ((d // ranks_per_node) == (slot // ranks_per_node))
     base = tl.load(peer_bases_ptr + d, mask=near, other=0)
     sig = (base + signal_offset_bytes).to(tl.pointer_type(tl.int64)) + slot
     tl.atomic_xchg(sig, tl.zeros((R_PAD,), dtype=tl.int64) + value, mask=near, sem="release", scope="sys")

@@ -1,15 +1,12 @@
-"""Launcher helpers shared by the kernel modules: input validation and launch shapes."""
+"""Launcher helpers shared by the kernel modules: launch shapes and the launch itself."""
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Sequence
 
 import torch
 import triton
-
-from ..errors import EPInputError
 
 
 def interpreted() -> bool:
@@ -34,6 +31,13 @@ COMM_WARPS = 4  # warps per row of a communication kernel's tile (see comm_tile)
 # rows per program under an SM budget (see comm_tile)
 BUDGET_ROWS = {"dispatch": 4, "combine": 8}
 
+# Per-SM limits of Hopper (sm_90, H100 / H200; CUDA occupancy tables): they bound how many
+# programs of a kernel are resident at once
+MAX_THREADS_PER_SM = 2048
+REGISTERS_PER_SM = 65536
+MAX_BLOCKS_PER_SM = 32
+SHARED_BYTES_PER_SM = 227 * 1024  # the most one SM gives to thread blocks (of 228 KiB)
+
 _resident: dict[tuple, int] = {}  # programs per SM that fit at once, per compiled variant
 
 
@@ -42,13 +46,34 @@ def _occupancy(compiled) -> int:
     threads = 32 * compiled.metadata.num_warps
     regs = max(1, getattr(compiled, "n_regs", 0) or 1)
     shared = getattr(compiled.metadata, "shared", 0) or 0
-    fits = [2048 // threads, 65536 // (regs * threads), 32]
+    fits = [MAX_THREADS_PER_SM // threads, REGISTERS_PER_SM // (regs * threads), MAX_BLOCKS_PER_SM]
     if shared:
-        fits.append((227 * 1024) // shared)
+        fits.append(SHARED_BYTES_PER_SM // shared)
     return max(1, min(fits))
 
 
-def launch(kernel, *, work: int, device: torch.device, budget: int | None, resident: bool, args: list,
+_named_ok: set[tuple] = set()  # (kernel, names) pairs already checked
+
+
+def check_names(kernel, args: dict, meta: dict) -> None:
+    """Raise TypeError unless ``args`` (runtime values) and ``meta`` (constexprs) name every
+    parameter of ``kernel`` exactly once: a launch passes nothing by position, so no argument
+    can land in another's place, and a missing or stray name is an error, not a silent
+    default (Triton alone reports a stray keyword only when it compiles a new variant)."""
+    key = (kernel, tuple(args), tuple(meta))
+    if key in _named_ok:
+        return
+    params = set(kernel.arg_names)
+    given = set(args) | set(meta)
+    both = set(args) & set(meta)
+    if given != params or both:
+        name = getattr(kernel, "__name__", repr(kernel))
+        raise TypeError(f"{name}: missing {sorted(params - given)}, unknown {sorted(given - params)}, "
+                        f"given twice {sorted(both)}")
+    _named_ok.add(key)
+
+
+def launch(kernel, *, work: int, device: torch.device, budget: int | None, resident: bool, args: dict,
            meta: dict, warps: int = COMM_WARPS) -> None:
     """Launch a communication kernel over ``work`` program-sized pieces (its loops stride by
     the grid, so any grid size is correct).
@@ -58,7 +83,10 @@ def launch(kernel, *, work: int, device: torch.device, budget: int | None, resid
       program must be resident at once: the grid is the SMs times the programs one SM holds
       (measured from the compiled kernel; one per SM until the first launch has compiled it).
     - otherwise one program per piece, and the hardware keeps every SM full.
+
+    ``args`` and ``meta`` (constexprs) are the kernel's parameters by name (see :func:`check_names`).
     """
+    check_names(kernel, args, meta)
     sms = num_sms(device)
     key = (kernel.fn.__qualname__, str(device), warps, tuple(sorted(meta.items())))
     if budget is not None:
@@ -72,7 +100,7 @@ def launch(kernel, *, work: int, device: torch.device, budget: int | None, resid
         from ._shmem import extern_libs
 
         extra["extern_libs"] = extern_libs()  # NVSHMEM's device library, linked at compile
-    compiled = kernel[(max(1, grid),)](*args, num_warps=warps, **meta, **extra)
+    compiled = kernel[(max(1, grid),)](**args, **meta, num_warps=warps, **extra)
     if key not in _resident and torch.device(device).type == "cuda" and compiled is not None:
         _resident[key] = _occupancy(compiled)
 
@@ -113,28 +141,7 @@ def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str,
     return rows, channels, COMM_WARPS * rows
 
 
-def same_device(a: torch.device | str, b: torch.device | str) -> bool:
-    """Equal devices, treating 'cuda' and 'cuda:<current>' alike."""
-    a, b = torch.device(a), torch.device(b)
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def check_tensor(name: str, t: object, *, dims: int | None = None, shape: Sequence[int] | None = None,
-                 dtypes: Sequence[torch.dtype] | None = None, device: torch.device | str | None = None,
-                 contiguous: bool = False, inner_contiguous: bool = False) -> None:
-    """Raise EPInputError naming ``name`` when ``t`` is not the tensor a launcher needs."""
-    if not isinstance(t, torch.Tensor):
-        raise EPInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dims is not None and t.dim() != dims:
-        raise EPInputError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise EPInputError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if dtypes is not None and t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise EPInputError(f"{name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
-    if device is not None and not same_device(t.device, device):
-        raise EPInputError(f"{name} must be on {torch.device(device)}, got {t.device}")
-    if contiguous and not t.is_contiguous():
-        raise EPInputError(f"{name} must be contiguous (call .contiguous())")
-    if inner_contiguous and t.dim() >= 1 and t.numel() and t.stride(-1) != 1:
-        raise EPInputError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+def timeouts(cfg) -> tuple[int, int]:
+    """(timeout_ns for the GPU timer, max polls for the interpreter, ~1 ms each there) of a
+    receive that waits for its peers."""
+    return int(cfg.recv_timeout_s * 1e9), max(1, int(cfg.recv_timeout_s * 1000))

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from ..errors import EPInputError
-from ._util import check_tensor, interpreted, tile_shape
+from ..validation import check_tensor
+from ._util import interpreted, tile_shape
 
 
 @triton.jit
@@ -54,7 +55,7 @@ def _swiglu_kernel(h_ptr, a_ptr, row_ids_ptr, total_rows_ptr, F,
 
 def _check_swiglu(h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Tensor,
                   out: torch.Tensor | None) -> tuple[int, int]:
-    """Validate the arguments of :func:`swiglu` / :func:`swiglu_ref`; returns (M_max, F)."""
+    """Validate the arguments of :func:`swiglu` / :func:`swiglu_torch`; returns (M_max, F)."""
     check_tensor("h_M2F", h_M2F, dims=2, dtypes=(torch.bfloat16,))
     M, F2 = h_M2F.shape
     if F2 % 2:
@@ -71,7 +72,7 @@ def _check_swiglu(h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torc
 def _check_launchable(device: torch.device) -> None:
     if device.type != "cuda" and not interpreted():
         raise EPInputError(f"swiglu runs Triton on CUDA tensors (or on CPU with TRITON_INTERPRET=1), "
-                           f"got tensors on {device}; use swiglu_ref on other devices")
+                           f"got tensors on {device}; use swiglu_torch on other devices")
 
 
 def swiglu(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Tensor,
@@ -104,13 +105,13 @@ def swiglu(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Te
     row_ids_M = row_ids_M.contiguous()
     block_m, block_f = tile_shape(F, h_M2F.device)
     grid = (triton.cdiv(M, block_m), triton.cdiv(F, block_f))
-    _swiglu_kernel[grid](h_M2F, out, row_ids_M, total_rows, F,
-                         h_M2F.stride(0), h_M2F.stride(1), out.stride(0), out.stride(1),
-                         BLOCK_M=block_m, BLOCK_F=block_f, num_warps=4)
+    _swiglu_kernel[grid](h_ptr=h_M2F, a_ptr=out, row_ids_ptr=row_ids_M, total_rows_ptr=total_rows, F=F,
+                         stride_hm=h_M2F.stride(0), stride_hf=h_M2F.stride(1), stride_am=out.stride(0),
+                         stride_af=out.stride(1), BLOCK_M=block_m, BLOCK_F=block_f, num_warps=4)
     return out
 
 
-def swiglu_ref(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Tensor,
+def swiglu_torch(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin of :func:`swiglu` (same arguments, any device; padding rows of a new output
     are zero). Rounds like :func:`ray_ep.reference.swiglu_expert`."""

@@ -10,6 +10,7 @@ CPU backend) is the transport's business, not this module's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -31,6 +32,12 @@ STATUS_OVERFLOW = 2
 # done-counter slots (one per kernel kind, so split kernels never share one)
 COUNTER_DISPATCH_SEND, COUNTER_DISPATCH_RECV, COUNTER_COMBINE_SEND, COUNTER_COMBINE_RECV = range(4)
 EPOCH_DISPATCH, EPOCH_COMBINE = 0, 1
+
+# programs per SM a receive launch may have: each needs a private scratch row. The receive
+# kernels spin on signals, so all their programs must be resident at once; at the 4 warps of
+# a comm program an SM holds more, but 4 per SM already covers every SM several times over
+# and keeps the scratch small (4 x 132 SMs x E int32)
+RECV_PROGRAMS_PER_SM = 4
 
 
 def typed_views(block: torch.Tensor, plan: BufferPlan) -> dict[str, torch.Tensor]:
@@ -72,6 +79,93 @@ class SymmetricBuffers:
     def offset(self, name: str) -> int:
         return self.plan[name].offset
 
+    @cached_property
+    def dispatch(self) -> "DispatchBuffers":
+        return DispatchBuffers.of(self)
+
+    @cached_property
+    def combine(self) -> "CombineBuffers":
+        return CombineBuffers.of(self)
+
+
+@dataclass(frozen=True)
+class DispatchBuffers:
+    """The dispatch buffers as the kernels take them, by parameter name.
+
+    Send side: the peer table and the byte offset of each buffer inside a rank's block
+    (``off_*``: rows, fp8 scales, meta rows, per-source counts and signals of every
+    destination; ``off_s*``: this rank's staging rows for puts to other nodes). Receive side:
+    this rank's own signals, counts and meta rows.
+    """
+
+    peer_bases_ptr: torch.Tensor
+    off_x: int
+    off_scales: int  # 0 without fp8 (never read)
+    off_meta: int
+    off_counts: int
+    off_signal: int
+    off_sx: int
+    off_ss: int  # 0 without fp8 (never read)
+    off_sm: int
+    off_scounts: int
+    signal_ptr: torch.Tensor
+    counts_ptr: torch.Tensor
+    meta_ptr: torch.Tensor
+
+    @classmethod
+    def of(cls, bufs: SymmetricBuffers) -> "DispatchBuffers":
+        fp8 = "dispatch.send.scales" in bufs.plan
+        v = bufs.local
+        return cls(peer_bases_ptr=bufs.peer_bases,
+                   off_x=bufs.offset("dispatch.recv.x"),
+                   off_scales=bufs.offset("dispatch.recv.scales") if fp8 else 0,
+                   off_meta=bufs.offset("dispatch.recv.meta"),
+                   off_counts=bufs.offset("dispatch.recv_count.counts"),
+                   off_signal=bufs.offset("dispatch.recv_count.signal"),
+                   off_sx=bufs.offset("dispatch.send.x"),
+                   off_ss=bufs.offset("dispatch.send.scales") if fp8 else 0,
+                   off_sm=bufs.offset("dispatch.send.meta"),
+                   off_scounts=bufs.offset("dispatch.send.counts"),
+                   signal_ptr=v["dispatch.recv_count.signal"], counts_ptr=v["dispatch.recv_count.counts"],
+                   meta_ptr=v["dispatch.recv.meta"])
+
+    def send_args(self) -> dict:
+        return {k: getattr(self, k) for k in ("peer_bases_ptr", "off_x", "off_scales", "off_meta", "off_counts",
+                                              "off_signal", "off_sx", "off_ss", "off_sm", "off_scounts")}
+
+    def recv_args(self) -> dict:
+        return {k: getattr(self, k) for k in ("signal_ptr", "counts_ptr", "meta_ptr")}
+
+
+@dataclass(frozen=True)
+class CombineBuffers:
+    """The combine buffers as the kernels take them, by parameter name.
+
+    Send side: the peer table, the offsets of the partial rows and signals in every rank's
+    block, and of this rank's staging rows (``off_sx``) for puts to other nodes. Receive
+    side: this rank's own signals and partial rows.
+    """
+
+    peer_bases_ptr: torch.Tensor
+    off_x: int
+    off_signal: int
+    off_sx: int
+    signal_ptr: torch.Tensor
+    recv_ptr: torch.Tensor
+
+    @classmethod
+    def of(cls, bufs: SymmetricBuffers) -> "CombineBuffers":
+        v = bufs.local
+        return cls(peer_bases_ptr=bufs.peer_bases, off_x=bufs.offset("combine.recv.x"),
+                   off_signal=bufs.offset("combine.recv_count.signal"), off_sx=bufs.offset("combine.send.x"),
+                   signal_ptr=v["combine.recv_count.signal"], recv_ptr=v["combine.recv.x"])
+
+    def send_args(self) -> dict:
+        return {k: getattr(self, k) for k in ("peer_bases_ptr", "off_x", "off_signal", "off_sx")}
+
+    def recv_args(self) -> dict:
+        return {k: getattr(self, k) for k in ("signal_ptr", "recv_ptr")}
+
 
 @dataclass(frozen=True)
 class Workspace:
@@ -82,7 +176,8 @@ class Workspace:
     ``counters`` [4] int32: programs finished, per kernel kind; the last program of a launch
     sends the signals (or advances the epoch) and resets its counter to 0.
     ``status`` [R + 1] int32: error bits and silent sources (see STATUS_*).
-    ``scratch`` [programs, E] int32: a private table per program of a receive launch.
+    ``scratch`` [programs, E] int32: a private table per program of a receive launch (rows:
+    RECV_PROGRAMS_PER_SM per SM, which caps the programs of a receive launch).
     ``totals`` [E + R] int32: rows per expert and per destination rank, summed by the
     programs of a send that lays out its own tokens (small batches); its last program reads
     and re-zeroes them.
@@ -102,7 +197,8 @@ class Workspace:
             epochs=torch.zeros(2, dtype=torch.int64, device=device),
             counters=torch.zeros(4, dtype=torch.int32, device=device),
             status=torch.zeros(cfg.world_size + 1, dtype=torch.int32, device=device),
-            scratch=torch.zeros(4 * num_sms(device), cfg.n_experts, dtype=torch.int32, device=device),
+            scratch=torch.zeros(RECV_PROGRAMS_PER_SM * num_sms(device), cfg.n_experts, dtype=torch.int32,
+                                device=device),
             totals=torch.zeros(cfg.n_experts + cfg.world_size, dtype=torch.int32, device=device),
         )
 

@@ -26,18 +26,20 @@ import triton.language as tl
 
 from ..config import EPConfig
 from ..errors import EPInputError
+from ..types import DispatchHandle
+from ..validation import check_tensor
 from ._shmem import other_node, put_bytes, quiet, signal, staged
 from ._sync import last_program_done, peer_ptr, release_signals, wait_signals
-from ._util import check_tensor, comm_tile, interpreted, launch, remote_meta
+from ._util import comm_tile, interpreted, launch, remote_meta, timeouts
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
-from .dispatch import DispatchHandle
 
 
 # ---- device code ---------------------------------------------------------------------------
 @triton.jit
 def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
-                  rank, R, L, N, H, G, K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BJ: tl.constexpr,
+                  rank, R, L, N, H, ranks_per_node, K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr,
+                  BJ: tl.constexpr,
                   BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr,
                   EMULATE: tl.constexpr):
     """Weighted partial sum of each received row's local experts, stored back at its source
@@ -56,14 +58,15 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
         if first < n_src:  # sources with fewer blocks leave gaps
             src = (pos_b + rank + 1) % R
             _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, off_x, off_sx, src, first,
-                           n_src, rank, L, N, H, G, K, K_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE)
+                           n_src, rank, L, N, H, ranks_per_node, K, K_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE)
     if REMOTE:
         quiet(EMULATE)  # delivered before this program counts itself done (the signals follow)
 
 
 @triton.jit
 def _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, off_x, off_sx, src, first, n_src,
-                   rank, L, N, H, G, K: tl.constexpr, K_PAD: tl.constexpr, BJ: tl.constexpr, BLOCK_H: tl.constexpr,
+                   rank, L, N, H, ranks_per_node, K: tl.constexpr, K_PAD: tl.constexpr, BJ: tl.constexpr,
+                   BLOCK_H: tl.constexpr,
                    OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
     """Rows first .. first + BJ - 1 (below n_src) of those received from ``src``."""
     kk = tl.arange(0, K_PAD)
@@ -77,7 +80,7 @@ def _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, o
     here = mk & (ids >= 0) & (e >= 0) & (e < L)
     pos = tl.load(src_offsets_ptr + src * L + e, mask=here, other=0) + tl.load(meta + K, mask=here, other=0)
     w = tl.load(meta + 2 * K, mask=here, other=0).to(tl.float32, bitcast=True)
-    if other_node(rank, src, G):  # the staging row that mirrors the destination row
+    if other_node(rank, src, ranks_per_node):  # the staging row that mirrors the destination row
         dst = peer_ptr(peer_bases_ptr, rank, off_sx, OUT_DTYPE) + j[:, None] * H
     else:
         dst = peer_ptr(peer_bases_ptr, src, off_x, OUT_DTYPE) + (rank * N + i)[:, None].to(tl.int64) * H
@@ -96,7 +99,7 @@ def _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, o
             acc += w_k[:, None] * yk.to(tl.float32)
         tl.store(dst + cols[None, :], acc.to(OUT_DTYPE), mask=live[:, None] & cm[None, :])
     if REMOTE:
-        if other_node(rank, src, G):
+        if other_node(rank, src, ranks_per_node):
             staged(EMULATE)
             n = tl.minimum(n_src - first, BJ)
             put_bytes(peer_bases_ptr, rank, src, off_x + (rank * N + first).to(tl.int64) * H * XB,
@@ -104,13 +107,13 @@ def _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, o
 
 
 @triton.jit
-def _signal_all(peer_bases_ptr, off_signal, rank, R, G, value, R_PAD: tl.constexpr, REMOTE: tl.constexpr,
+def _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, value, R_PAD: tl.constexpr, REMOTE: tl.constexpr,
                 EMULATE: tl.constexpr):
     tl.debug_barrier()
-    release_signals(peer_bases_ptr, R, G, off_signal, rank, value, R_PAD)
+    release_signals(peer_bases_ptr, R, ranks_per_node, off_signal, rank, value, R_PAD)
     if REMOTE:
         for s in range(R):
-            if other_node(rank, s, G):
+            if other_node(rank, s, ranks_per_node):
                 signal(peer_bases_ptr, rank, s, off_signal + rank * 8, value, EMULATE)
 
 
@@ -142,26 +145,26 @@ def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, 
 
 @triton.jit(do_not_specialize=["rank"])
 def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr,
-                         epochs_ptr, counters_ptr, off_x, off_signal, off_sx, rank, R, L, N, H, G,
+                         epochs_ptr, send_counter_ptr, off_x, off_signal, off_sx, rank, R, L, N, H, ranks_per_node,
                          K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BJ: tl.constexpr,
                          BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr,
                          EMULATE: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
-                  rank, R, L, N, H, G, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE)
-    if last_program_done(counters_ptr):
-        _signal_all(peer_bases_ptr, off_signal, rank, R, G, epoch + 1, R_PAD, REMOTE, EMULATE)
+                  rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE)
+    if last_program_done(send_counter_ptr):
+        _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _combine_recv_kernel(signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
-                         epochs_ptr, counters_ptr, status_ptr, T, N, H, R, timeout_ns, max_spins,
+                         epochs_ptr, recv_counter_ptr, status_ptr, T, N, H, R, timeout_ns, max_spins,
                          R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
                          USE_TIMER: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
         _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, R_PAD, HAS_ADD, BT, BLOCK_H)
-    if last_program_done(counters_ptr):
+    if last_program_done(recv_counter_ptr):
         tl.store(epochs_ptr, epoch + 1)
 
 
@@ -169,15 +172,15 @@ def _combine_recv_kernel(signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, o
 def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr,
                           signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
                           epochs_ptr, send_counter_ptr, recv_counter_ptr, status_ptr,
-                          off_x, off_signal, off_sx, rank, R, L, N, H, G, T, timeout_ns, max_spins,
+                          off_x, off_signal, off_sx, rank, R, L, N, H, ranks_per_node, T, timeout_ns, max_spins,
                           K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr,
                           BJ: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr,
                           XB: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
-                  rank, R, L, N, H, G, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE)
+                  rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE)
     if last_program_done(send_counter_ptr):
-        _signal_all(peer_bases_ptr, off_signal, rank, R, G, epoch + 1, R_PAD, REMOTE, EMULATE)
+        _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
         _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, R_PAD, HAS_ADD, BT, BLOCK_H)
     if last_program_done(recv_counter_ptr):
@@ -186,12 +189,7 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
 
 # ---- launchers -----------------------------------------------------------------------------
 _TL_DTYPES = {"bf16": tl.bfloat16, "fp32": tl.float32}
-
-
-def _out_meta(cfg: EPConfig) -> dict:
-    """Constexprs of the partial rows a combine sends: dtype, its bytes, the remote path."""
-    return dict(OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype], XB=2 if cfg.combine_dtype == "bf16" else 4,
-                **remote_meta(cfg))
+_WIRE_BYTES = {"bf16": 2, "fp32": 4}
 
 
 def _check_y(cfg: EPConfig, y_MH: torch.Tensor, device: torch.device) -> None:
@@ -210,9 +208,38 @@ def _out(handle: DispatchHandle, cfg: EPConfig, out_dtype: torch.dtype, add_TH: 
     return torch.empty(T, cfg.hidden_size, dtype=out_dtype, device=device)
 
 
-def _send_args(cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers) -> list:
-    return [y_MH, y_MH.stride(0), handle.meta_rows, handle.recv.src_offsets_RL, handle.recv.recv_counts_R,
-            bufs.peer_bases]
+def _send_named(cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
+                rows: int) -> tuple[dict, dict]:
+    """Arguments and constexprs of the send half (``rows`` received rows per program)."""
+    args = dict(y_ptr=y_MH, stride_y=y_MH.stride(0), meta_ptr=handle.meta_rows,
+                src_offsets_ptr=handle.recv.src_offsets_RL, recv_counts_ptr=handle.recv.recv_counts_R,
+                send_counter_ptr=ws.counters[COUNTER_COMBINE_SEND:], rank=bufs.rank, L=cfg.experts_per_rank,
+                ranks_per_node=cfg.gpus_per_node, **bufs.combine.send_args(), **_common_args(cfg, bufs, ws))
+    meta = dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), BJ=rows,
+                OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype], XB=_WIRE_BYTES[cfg.combine_dtype], **remote_meta(cfg))
+    return args, meta
+
+
+def _recv_named(cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace, out: torch.Tensor,
+                add_TH: torch.Tensor | None, rows: int) -> tuple[dict, dict]:
+    """Arguments and constexprs of the receive half (``rows`` tokens per program)."""
+    timeout_ns, max_spins = timeouts(cfg)
+    args = dict(slots_ptr=handle.layout.token_slots_TR, add_ptr=add_TH if add_TH is not None else out,
+                stride_add=add_TH.stride(0) if add_TH is not None else 0, out_ptr=out, stride_out=out.stride(0),
+                recv_counter_ptr=ws.counters[COUNTER_COMBINE_RECV:], status_ptr=ws.status, T=handle.num_tokens,
+                timeout_ns=timeout_ns, max_spins=max_spins, **bufs.combine.recv_args(), **_common_args(cfg, bufs, ws))
+    meta = dict(HAS_ADD=add_TH is not None, BT=rows, USE_TIMER=not interpreted())
+    return args, meta
+
+
+def _common_args(cfg: EPConfig, bufs: SymmetricBuffers, ws: Workspace) -> dict:
+    return dict(epochs_ptr=ws.epochs[EPOCH_COMBINE:], R=cfg.world_size, N=cfg.max_tokens_per_rank, H=cfg.hidden_size)
+
+
+def _tile(cfg: EPConfig, bufs: SymmetricBuffers, budget: int | None) -> tuple[int, dict, int]:
+    """(rows per program, the channel constexprs, warps) of a combine under ``budget``."""
+    rows, channels, warps = comm_tile(cfg.hidden_size, bufs.device, budget, "combine")
+    return rows, dict(BLOCK_H=channels, R_PAD=triton.next_power_of_2(cfg.world_size)), warps
 
 
 def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers,
@@ -222,17 +249,12 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
     y_MH [>= M_cap, H] bf16: expert outputs in the handle's expert-major order.
     """
     _check_y(cfg, y_MH, bufs.device)
-    R, N = cfg.world_size, cfg.max_tokens_per_rank
     budget = num_sms or cfg.num_sms
-    bj, bh, warps = comm_tile(cfg.hidden_size, bufs.device, budget, "combine")
-    args = [*_send_args(cfg, y_MH, handle, bufs), ws.epochs[EPOCH_COMBINE:], ws.counters[COUNTER_COMBINE_SEND:],
-            bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.offset("combine.send.x"),
-            bufs.rank, R, cfg.experts_per_rank, N, cfg.hidden_size, cfg.gpus_per_node]
+    rows, tile, warps = _tile(cfg, bufs, budget)
+    args, meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
     # the host does not know how many rows arrived: a grid the SMs hold at once, looping over the live blocks
-    launch(_combine_send_kernel, work=triton.cdiv(R * N, bj), device=bufs.device, budget=budget,
-           resident=True, args=args, warps=warps,
-           meta=dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(R), BJ=bj,
-                     BLOCK_H=bh, **_out_meta(cfg)))
+    launch(_combine_send_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), device=bufs.device,
+           budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
 
 
 def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
@@ -241,53 +263,36 @@ def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffer
     """Wait for every rank's partial rows and sum them per token. Returns out_TH [T, H]."""
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     budget = num_sms or cfg.num_sms
-    bt, bh, warps = comm_tile(cfg.hidden_size, bufs.device, budget, "combine")
-    timeout_ns, max_spins = int(cfg.recv_timeout_s * 1e9), max(1, int(cfg.recv_timeout_s * 1000))
-    v = bufs.local
-    args = [v["combine.recv_count.signal"], v["combine.recv.x"], handle.layout.token_slots_TR,
-            add_TH if add_TH is not None else out, add_TH.stride(0) if add_TH is not None else 0, out, out.stride(0),
-            ws.epochs[EPOCH_COMBINE:], ws.counters[COUNTER_COMBINE_RECV:], ws.status, handle.num_tokens,
-            cfg.max_tokens_per_rank, cfg.hidden_size, cfg.world_size, timeout_ns, max_spins]
-    launch(_combine_recv_kernel, work=triton.cdiv(handle.num_tokens, bt), device=bufs.device,
-           budget=budget, resident=True, args=args, warps=warps,
-           meta=dict(R_PAD=triton.next_power_of_2(cfg.world_size), HAS_ADD=add_TH is not None, BT=bt, BLOCK_H=bh,
-                     USE_TIMER=not interpreted()))
+    rows, tile, warps = _tile(cfg, bufs, budget)
+    args, meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
+    launch(_combine_recv_kernel, work=triton.cdiv(handle.num_tokens, rows), device=bufs.device,
+           budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
     if check:
         check_status(ws, bufs.rank, "combine")
     return out
 
 
-def combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
-            out_dtype: torch.dtype = torch.bfloat16, add_TH: torch.Tensor | None = None,
-            num_sms: int | None = None, check: bool = True) -> torch.Tensor:
-    """Fused combine: send partial rows and sum the arrivals in one launch (GPU; all ranks at once)."""
+def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers,
+                  ws: Workspace, out_dtype: torch.dtype = torch.bfloat16, add_TH: torch.Tensor | None = None,
+                  num_sms: int | None = None, check: bool = True) -> torch.Tensor:
+    """Send partial rows and sum the arrivals in one launch (GPU; all ranks at once).
+    Arguments as :func:`combine_send` and :func:`combine_recv`."""
     _check_y(cfg, y_MH, bufs.device)
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
-    R, N = cfg.world_size, cfg.max_tokens_per_rank
     budget = num_sms or cfg.num_sms
-    bt, bh, warps = comm_tile(cfg.hidden_size, bufs.device, budget, "combine")
-    bj = bt
-    timeout_ns, max_spins = int(cfg.recv_timeout_s * 1e9), max(1, int(cfg.recv_timeout_s * 1000))
-    v = bufs.local
-    args = [*_send_args(cfg, y_MH, handle, bufs), v["combine.recv_count.signal"], v["combine.recv.x"],
-            handle.layout.token_slots_TR, add_TH if add_TH is not None else out,
-            add_TH.stride(0) if add_TH is not None else 0, out, out.stride(0), ws.epochs[EPOCH_COMBINE:],
-            ws.counters[COUNTER_COMBINE_SEND:], ws.counters[COUNTER_COMBINE_RECV:], ws.status,
-            bufs.offset("combine.recv.x"), bufs.offset("combine.recv_count.signal"), bufs.offset("combine.send.x"),
-            bufs.rank, R, cfg.experts_per_rank, N, cfg.hidden_size, cfg.gpus_per_node, handle.num_tokens,
-            timeout_ns, max_spins]
-    launch(_combine_fused_kernel, work=max(triton.cdiv(R * N, bj), triton.cdiv(handle.num_tokens, bt)),
-           device=bufs.device, budget=budget, resident=True, args=args, warps=warps,
-           meta=dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(R),
-                     HAS_ADD=add_TH is not None, BJ=bj, BT=bt, BLOCK_H=bh, USE_TIMER=not interpreted(),
-                     **_out_meta(cfg)))
+    rows, tile, warps = _tile(cfg, bufs, budget)
+    send_args, send_meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
+    recv_args, recv_meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
+    work = max(triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), triton.cdiv(handle.num_tokens, rows))
+    launch(_combine_fused_kernel, work=work, device=bufs.device, budget=budget, resident=True,
+           args={**send_args, **recv_args}, meta={**send_meta, **recv_meta, **tile}, warps=warps)
     if check:
         check_status(ws, bufs.rank, "combine")
     return out
 
 
-# ---- torch twins ---------------------------------------------------------------------------
-def combine_partials_ref(*, cfg: EPConfig, rank: int, y_MH: torch.Tensor, src_offsets_RL: torch.Tensor,
+# ---- torch implementations (the twins) -------------------------------------------------------
+def combine_partials_torch(*, cfg: EPConfig, rank: int, y_MH: torch.Tensor, src_offsets_RL: torch.Tensor,
                          counts_R: torch.Tensor, meta_rows: torch.Tensor, row_base_R: torch.Tensor) -> list[torch.Tensor]:
     """Per source s, the fp32 partial rows [counts[s], H] that go back to it: for received row
     i, the sum over its local experts of weight * expert output."""
@@ -307,7 +312,7 @@ def combine_partials_ref(*, cfg: EPConfig, rank: int, y_MH: torch.Tensor, src_of
     return out
 
 
-def combine_sum_ref(*, rows_MH: torch.Tensor, row_base_R: torch.Tensor, token_slots_TR: torch.Tensor,
+def combine_sum_torch(*, rows_MH: torch.Tensor, row_base_R: torch.Tensor, token_slots_TR: torch.Tensor,
                     out_dtype: torch.dtype, add_TH: torch.Tensor | None = None) -> torch.Tensor:
     """out[t] = sum_d rows[row_base[d] + slot[t, d]] (+ add[t]) in fp32."""
     T, R = token_slots_TR.shape
@@ -321,13 +326,13 @@ def combine_sum_ref(*, rows_MH: torch.Tensor, row_base_R: torch.Tensor, token_sl
     return acc.to(out_dtype)
 
 
-def combine_send_ref(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers,
+def combine_send_torch(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers,
                      ws: Workspace, num_sms: int | None = None) -> None:
     """Torch twin of :func:`combine_send`."""
     _check_y(cfg, y_MH, bufs.device)
     me, N = bufs.rank, cfg.max_tokens_per_rank
     row_base = torch.arange(cfg.world_size, device=bufs.device) * N
-    partials = combine_partials_ref(cfg=cfg, rank=me, y_MH=y_MH, src_offsets_RL=handle.recv.src_offsets_RL,
+    partials = combine_partials_torch(cfg=cfg, rank=me, y_MH=y_MH, src_offsets_RL=handle.recv.src_offsets_RL,
                                     counts_R=handle.recv.recv_counts_R, meta_rows=handle.meta_rows,
                                     row_base_R=row_base)
     epoch = int(ws.epochs[EPOCH_COMBINE])
@@ -337,7 +342,7 @@ def combine_send_ref(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandl
         peer["combine.recv_count.signal"][me] = epoch + 1
 
 
-def combine_recv_ref(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
+def combine_recv_torch(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
                      out_dtype: torch.dtype = torch.bfloat16, add_TH: torch.Tensor | None = None,
                      num_sms: int | None = None, check: bool = True) -> torch.Tensor:
     """Torch twin of :func:`combine_recv`."""
@@ -351,7 +356,7 @@ def combine_recv_ref(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBu
     else:
         N = cfg.max_tokens_per_rank
         row_base = torch.arange(cfg.world_size, device=bufs.device) * N
-        out = combine_sum_ref(rows_MH=v["combine.recv.x"].view(-1, cfg.hidden_size), row_base_R=row_base,
+        out = combine_sum_torch(rows_MH=v["combine.recv.x"].view(-1, cfg.hidden_size), row_base_R=row_base,
                               token_slots_TR=handle.layout.token_slots_TR, out_dtype=out_dtype, add_TH=add_TH)
     ws.epochs[EPOCH_COMBINE] += 1  # as the kernel: the round is over, failed or not
     if check:

@@ -17,7 +17,7 @@ local expert's segment (``row_offsets``) and where source s's rows of expert e s
 ``src_offsets[s, e] + ordinal[k]``. Rows are not copied again: ``row_ids[m]`` names the
 receive row ``s * N + i`` that expert-major row m reads (-1 for padding), and the grouped
 GEMM gathers through it. Inside a segment rows are ordered by (source, token), exactly as
-:func:`ray_ep.reference.dispatch`.
+:func:`ray_ep.reference.dispatch_world`.
 
 Example (R = 2, L = 1, N = 4, rank 1 receiving, alignment 1): source 0 sent 2 rows for
 expert 1, source 1 sent 1 row: counts = [[2, 2], [1, 1]], row_offsets = [0, 3],
@@ -26,71 +26,28 @@ src_offsets = [[0], [2]], row_ids = [0, 1, 4] (rows 0, 1 of region 0, row 0 of r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from ..config import FP8_GROUP, EPConfig
-from ..errors import EPInputError
+from ..fp8 import quantize_fp8_torch
+from ..types import DispatchHandle, DispatchLayout, RecvLayout
+from ..validation import check_send_inputs
 from ._shmem import other_node, put_bytes, put_signal, quiet, staged
 from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signals, wait_signals
-from ._util import check_tensor, comm_tile, interpreted, launch, remote_meta
-from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW,
+from ._util import comm_tile, interpreted, launch, remote_meta, timeouts
+from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
-from .layout import DispatchLayout, block_bases, block_tokens, compute_layout, compute_layout_ref
+from .layout import block_bases, block_tokens, compute_layout, compute_layout_torch
 from .quant import quantize_group
 
 _STATUS_OVERFLOW = tl.constexpr(STATUS_OVERFLOW)
+_FP8_GROUP = tl.constexpr(FP8_GROUP)
 # where the send's slots and ordinals come from (see _own_layout)
 LAYOUT_GIVEN = tl.constexpr(0)  # the caller's DispatchLayout
 LAYOUT_SCANNED = tl.constexpr(1)  # the send scans every earlier token (small batches)
 LAYOUT_FROM_BASES = tl.constexpr(2)  # the send scans its layout block, plus block_bases
-
-
-@dataclass(frozen=True)
-class RecvLayout:
-    """Receive side of a dispatch, all int32 on the rank's device.
-
-    ``row_ids_M`` [M_cap]: receive row read by each expert-major row (-1 padding/unused);
-    ``row_offsets_L1`` [L + 1]: segment bounds; ``num_tokens_L`` [L]: real rows per local
-    expert; ``src_offsets_RL`` [R, L]: first expert-major row of (source, expert);
-    ``recv_counts_R`` [R]: rows received from each source.
-    """
-
-    row_ids_M: torch.Tensor
-    row_offsets_L1: torch.Tensor
-    num_tokens_L: torch.Tensor
-    src_offsets_RL: torch.Tensor
-    recv_counts_R: torch.Tensor
-
-    @classmethod
-    def allocate(cls, cfg: EPConfig, device: torch.device | str) -> "RecvLayout":
-        R, L = cfg.world_size, cfg.experts_per_rank
-
-        def z(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=torch.int32, device=device)
-
-        return cls(torch.full((cfg.max_recv_rows,), -1, dtype=torch.int32, device=device),
-                   z(L + 1), z(L), z(R, L), z(R))
-
-
-@dataclass(frozen=True)
-class DispatchHandle:
-    """Everything the expert compute and the combine of one round need.
-
-    ``x_rows`` [R * N, H] receive rows (bf16 or fp8; a view of the symmetric buffer: valid
-    until the next dispatch), ``scales_rows`` [R * N, H / 128] fp32 for fp8, ``meta_rows``
-    [R * N, 3K] int32. Expert-major row m is ``x_rows[recv.row_ids_M[m]]``.
-    """
-
-    layout: DispatchLayout
-    recv: RecvLayout
-    x_rows: torch.Tensor
-    scales_rows: torch.Tensor | None
-    meta_rows: torch.Tensor
-    num_tokens: int
 
 
 # ---- device code ---------------------------------------------------------------------------
@@ -169,18 +126,18 @@ def _take_totals(totals_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
-               bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, G,
+               bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, ranks_per_node,
                K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, FP8: tl.constexpr,
                BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
                OWN_LAYOUT: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr):
     """Store this program's share of token rows and meta rows into every destination on this
     node; with REMOTE, stage them once in this rank's ``dispatch.send`` rows and put them to
-    the destinations on other nodes (nodes of G ranks)."""
+    the destinations on other nodes (nodes of ranks_per_node ranks)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     kk = tl.arange(0, K_PAD)
     km = kk < K
-    SG: tl.constexpr = BLOCK_H // 128 if FP8 else 1
+    SG: tl.constexpr = BLOCK_H // _FP8_GROUP if FP8 else 1
     for blk in range(pid, tl.cdiv(T, BT), nprog):
         toks = blk * BT + tl.arange(0, BT)
         if OWN_LAYOUT != LAYOUT_GIVEN:
@@ -198,7 +155,8 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
             tl.store(meta + K, ords, mask=mk)
             tl.store(meta + 2 * K, wbits, mask=mk)
         for d in tl.static_range(R_PAD):
-            slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & ((d // G) == (rank // G)), other=-1)
+            near = (d // ranks_per_node) == (rank // ranks_per_node)  # on this node: stores
+            slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & near, other=-1)
             ok = slot >= 0
             if tl.max(ok.to(tl.int32), axis=0) > 0:
                 row = (rank * N + slot).to(tl.int64)
@@ -214,19 +172,20 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
                         mask=tm[:, None] & cm[None, :], other=0.0)
             if FP8:
                 q, s = quantize_group(x.to(tl.float32), SG)
-                g = h0 // 128 + tl.arange(0, SG)
-                gm = g[None, :] < H // 128
+                g = h0 // _FP8_GROUP + tl.arange(0, SG)
+                gm = g[None, :] < H // _FP8_GROUP
             if REMOTE:
                 if FP8:
                     px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.float8e4nv)
                     tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], q, mask=tm[:, None] & cm[None, :])
                     ps = peer_ptr(peer_bases_ptr, rank, off_ss, tl.float32)
-                    tl.store(ps + toks[:, None].to(tl.int64) * (H // 128) + g[None, :], s, mask=tm[:, None] & gm)
+                    tl.store(ps + toks[:, None].to(tl.int64) * (H // _FP8_GROUP) + g[None, :], s, mask=tm[:, None] & gm)
                 else:
                     px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.bfloat16)
                     tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], x, mask=tm[:, None] & cm[None, :])
             for d in tl.static_range(R_PAD):
-                slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & ((d // G) == (rank // G)), other=-1)
+                near = (d // ranks_per_node) == (rank // ranks_per_node)
+                slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & near, other=-1)
                 ok = slot >= 0
                 if tl.max(ok.to(tl.int32), axis=0) > 0:
                     row = (rank * N + slot).to(tl.int64)
@@ -234,20 +193,20 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
                         px = peer_ptr(peer_bases_ptr, d, off_x, tl.float8e4nv)
                         tl.store(px + row[:, None] * H + cols[None, :], q, mask=ok[:, None] & cm[None, :])
                         ps = peer_ptr(peer_bases_ptr, d, off_scales, tl.float32)
-                        tl.store(ps + row[:, None] * (H // 128) + g[None, :], s, mask=ok[:, None] & gm)
+                        tl.store(ps + row[:, None] * (H // _FP8_GROUP) + g[None, :], s, mask=ok[:, None] & gm)
                     else:
                         px = peer_ptr(peer_bases_ptr, d, off_x, tl.bfloat16)
                         tl.store(px + row[:, None] * H + cols[None, :], x, mask=ok[:, None] & cm[None, :])
         if REMOTE:
             _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm,
-                             blk * BT, T, H, N, rank, R, G, K, FP8, BT, EMULATE)
+                             blk * BT, T, H, N, rank, R, ranks_per_node, K, FP8, BT, EMULATE)
     if REMOTE:
         quiet(EMULATE)  # delivered before this program counts itself done (the signals follow)
 
 
 @triton.jit
 def _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm,
-                     t0, T, H, N, rank, R, G, K: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr,
+                     t0, T, H, N, rank, R, ranks_per_node, K: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr,
                      EMULATE: tl.constexpr):
     """Put the staged rows of tokens t0 .. t0 + BT - 1 to their destinations on other nodes:
     row, scales and meta land exactly where a store from this node would have put them."""
@@ -257,7 +216,7 @@ def _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off
         t = t0 + r
         if t < T:
             for d in range(R):
-                if other_node(rank, d, G):
+                if other_node(rank, d, ranks_per_node):
                     slot = tl.load(slots_ptr + t * R + d)
                     if slot >= 0:
                         row = (rank * N + slot).to(tl.int64)
@@ -265,15 +224,15 @@ def _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off
                         put_bytes(peer_bases_ptr, rank, d, off_x + row * H * XB, off_sx + tt * H * XB, H * XB,
                                   EMULATE)
                         if FP8:
-                            put_bytes(peer_bases_ptr, rank, d, off_scales + row * (H // 128) * 4,
-                                      off_ss + tt * (H // 128) * 4, (H // 128) * 4, EMULATE)
+                            put_bytes(peer_bases_ptr, rank, d, off_scales + row * (H // _FP8_GROUP) * 4,
+                                      off_ss + tt * (H // _FP8_GROUP) * 4, (H // _FP8_GROUP) * 4, EMULATE)
                         put_bytes(peer_bases_ptr, rank, d, off_meta + row * (3 * K * 4), off_sm + tt * (3 * K * 4),
                                   3 * K * 4, EMULATE)
 
 
 @triton.jit
 def _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
-             rank, R, L, G, value, L_PAD: tl.constexpr, R_PAD: tl.constexpr, REMOTE: tl.constexpr,
+             rank, R, L, ranks_per_node, value, L_PAD: tl.constexpr, R_PAD: tl.constexpr, REMOTE: tl.constexpr,
              EMULATE: tl.constexpr):
     """Last program of a send: counts then one signal per destination (stores and a release
     on this node, a put-with-signal of the staged counts to other nodes)."""
@@ -281,19 +240,19 @@ def _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_
     for d in range(R):
         n_rows = tl.load(rank_counts_ptr + d)
         per_expert = tl.load(expert_counts_ptr + d * L + e, mask=e < L)
-        if other_node(rank, d, G):
+        if other_node(rank, d, ranks_per_node):
             cnt = peer_ptr(peer_bases_ptr, rank, off_scounts, tl.int32) + d * (L + 1)
         else:
             cnt = peer_ptr(peer_bases_ptr, d, off_counts, tl.int32) + rank * (L + 1)
         tl.store(cnt, n_rows)
         tl.store(cnt + 1 + e, per_expert, mask=e < L)
         if REMOTE:
-            if other_node(rank, d, G):
+            if other_node(rank, d, ranks_per_node):
                 staged(EMULATE)
                 put_signal(peer_bases_ptr, rank, d, off_counts + rank * (L + 1) * 4, off_scounts + d * (L + 1) * 4,
                            (L + 1) * 4, off_signal + rank * 8, value, EMULATE)
     tl.debug_barrier()  # the counts of all threads before the release
-    release_signals(peer_bases_ptr, R, G, off_signal, rank, value, R_PAD)
+    release_signals(peer_bases_ptr, R, ranks_per_node, off_signal, rank, value, R_PAD)
 
 
 @triton.jit
@@ -356,26 +315,26 @@ def _recv_layout(signal_ptr, counts_ptr, meta_ptr, target, status_ptr, scratch_p
 @triton.jit(do_not_specialize=["T", "rank"])
 def _dispatch_send_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
                           expert_counts_ptr, rank_counts_ptr, totals_ptr, bases_ptr, peer_bases_ptr, epochs_ptr,
-                          counters_ptr,
+                          send_counter_ptr,
                           off_x, off_scales, off_meta, off_counts, off_signal, off_sx, off_ss, off_sm, off_scounts,
-                          T, H, N, rank, R, L, G,
+                          T, H, N, rank, R, L, ranks_per_node,
                           K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
                           FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr,
                           EMULATE: tl.constexpr, OWN_LAYOUT: tl.constexpr, CH: tl.constexpr,
                           SB: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
-               bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, G,
-               K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB)
-    if last_program_done(counters_ptr):
+               bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L,
+               ranks_per_node, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB)
+    if last_program_done(send_counter_ptr):
         if OWN_LAYOUT == LAYOUT_SCANNED:
             _take_totals(totals_ptr, expert_counts_ptr, R * L + R, 256)
         _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
-                 rank, R, L, G, epoch + 1, L_PAD, R_PAD, REMOTE, EMULATE)
+                 rank, R, L, ranks_per_node, epoch + 1, L_PAD, R_PAD, REMOTE, EMULATE)
 
 
 @triton.jit(do_not_specialize=["rank"])
-def _dispatch_recv_kernel(signal_ptr, counts_ptr, meta_ptr, epochs_ptr, counters_ptr, status_ptr, scratch_ptr,
+def _dispatch_recv_kernel(signal_ptr, counts_ptr, meta_ptr, epochs_ptr, recv_counter_ptr, status_ptr, scratch_ptr,
                           row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                           rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins,
                           K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
@@ -384,7 +343,7 @@ def _dispatch_recv_kernel(signal_ptr, counts_ptr, meta_ptr, epochs_ptr, counters
     _recv_layout(signal_ptr, counts_ptr, meta_ptr, epoch + 1, status_ptr, scratch_ptr,
                  row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                  rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins, K, K_PAD, R_PAD, L_PAD, A_PAD, BJ, USE_TIMER)
-    if last_program_done(counters_ptr):
+    if last_program_done(recv_counter_ptr):
         tl.store(epochs_ptr, epoch + 1)
 
 
@@ -396,20 +355,20 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
                            row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                            signal_ptr, counts_ptr, meta_ptr,
                            off_x, off_scales, off_meta, off_counts, off_signal, off_sx, off_ss, off_sm, off_scounts,
-                           T, H, N, rank, R, L, G, CAP, ALIGN, timeout_ns, max_spins,
+                           T, H, N, rank, R, L, ranks_per_node, CAP, ALIGN, timeout_ns, max_spins,
                            K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
                            A_PAD: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
                            BJ: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
                            OWN_LAYOUT: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
-               bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, G,
-               K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB)
+               bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L,
+               ranks_per_node, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB)
     if last_program_done(send_counter_ptr):
         if OWN_LAYOUT == LAYOUT_SCANNED:
             _take_totals(totals_ptr, expert_counts_ptr, R * L + R, 256)
         _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
-                 rank, R, L, G, epoch + 1, L_PAD, R_PAD, REMOTE, EMULATE)
+                 rank, R, L, ranks_per_node, epoch + 1, L_PAD, R_PAD, REMOTE, EMULATE)
     _recv_layout(signal_ptr, counts_ptr, meta_ptr, epoch + 1, status_ptr, scratch_ptr,
                  row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                  rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins, K, K_PAD, R_PAD, L_PAD, A_PAD, BJ, USE_TIMER)
@@ -418,37 +377,6 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
 
 
 # ---- launchers -----------------------------------------------------------------------------
-def check_send_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
-                       topk_weights_TK: torch.Tensor, device: torch.device) -> None:
-    """Raise EPInputError unless the tensors are what a dispatch of ``cfg`` takes (no sync)."""
-    want = (torch.bfloat16,) if cfg.dispatch_dtype == "bf16" else (torch.bfloat16, torch.float16, torch.float32)
-    check_tensor("x_TH", x_TH, dims=2, dtypes=want, device=device, inner_contiguous=True)
-    T = x_TH.shape[0]
-    if x_TH.shape[1] != cfg.hidden_size:
-        raise EPInputError(f"x_TH has {x_TH.shape[1]} channels, config hidden_size is {cfg.hidden_size}")
-    if T > cfg.max_tokens_per_rank:
-        raise EPInputError(f"{T} tokens exceed max_tokens_per_rank = {cfg.max_tokens_per_rank}; "
-                           f"split the batch or raise max_tokens_per_rank")
-    check_tensor("topk_ids_TK", topk_ids_TK, shape=(T, cfg.top_k), dtypes=(torch.int32,), device=device,
-                 inner_contiguous=True)
-    check_tensor("topk_weights_TK", topk_weights_TK, shape=(T, cfg.top_k), dtypes=(torch.float32,),
-                 device=device, inner_contiguous=True)
-
-
-def _plan_offsets(bufs: SymmetricBuffers) -> dict[str, int]:
-    fp8 = "dispatch.send.scales" in bufs.plan
-    return dict(off_x=bufs.offset("dispatch.recv.x"),
-                off_scales=bufs.offset("dispatch.recv.scales") if fp8 else 0,
-                off_meta=bufs.offset("dispatch.recv.meta"),
-                off_counts=bufs.offset("dispatch.recv_count.counts"),
-                off_signal=bufs.offset("dispatch.recv_count.signal"),
-                # staging of the puts to other nodes
-                off_sx=bufs.offset("dispatch.send.x"),
-                off_ss=bufs.offset("dispatch.send.scales") if fp8 else 0,
-                off_sm=bufs.offset("dispatch.send.meta"),
-                off_scounts=bufs.offset("dispatch.send.counts"))
-
-
 # A send lays out its own tokens (no compute_layout launches) up to this many tokens per rank:
 # each token then scans the ids of at most this many earlier ones (see _own_layout).
 SELF_LAYOUT_MAX_T = 256
@@ -480,39 +408,52 @@ def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchL
                           totals[:R * L], totals[R * L:]), how, bases
 
 
-def _send_args(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: DispatchLayout, how: int,
-               bases: torch.Tensor | None, ws: Workspace, budget: int | None) -> tuple[list, dict, int]:
-    """Arguments, constexprs and warps of a send (its tile depends on the SM budget)."""
+def _common_meta(cfg: EPConfig) -> dict:
+    """Constexprs of every dispatch kernel: the padded sizes of its small index vectors."""
+    return dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(cfg.world_size),
+                L_PAD=triton.next_power_of_2(cfg.experts_per_rank))
+
+
+def _common_args(cfg: EPConfig, bufs: SymmetricBuffers, ws: Workspace) -> dict:
+    """Arguments of every dispatch kernel: the rank's epoch and the world's sizes."""
+    return dict(epochs_ptr=ws.epochs[EPOCH_DISPATCH:], N=cfg.max_tokens_per_rank, rank=bufs.rank,
+                R=cfg.world_size, L=cfg.experts_per_rank)
+
+
+def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: DispatchLayout, how: int,
+                bases: torch.Tensor | None, bufs: SymmetricBuffers, ws: Workspace, budget: int | None
+                ) -> tuple[dict, dict, int]:
+    """Arguments, constexprs and warps of the send half (its tile depends on the SM budget)."""
     bt, bh, warps = comm_tile(cfg.hidden_size, x_TH.device, budget, "dispatch",
                               multiple=FP8_GROUP if cfg.dispatch_dtype == "fp8" else 8)
-    args = [x_TH, x_TH.stride(0), topk_ids_TK, topk_ids_TK.stride(0), topk_weights_TK, topk_weights_TK.stride(0),
-            layout.token_slots_TR, layout.ordinals_TK, layout.expert_counts_E, layout.rank_counts_R, ws.totals,
-            bases if bases is not None else ws.totals]
-    meta = dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(cfg.world_size),
-                L_PAD=triton.next_power_of_2(cfg.experts_per_rank), FP8=cfg.dispatch_dtype == "fp8", BT=bt, BLOCK_H=bh,
-                OWN_LAYOUT=int(how), CH=64 if interpreted() else 32, SB=block_tokens(), **remote_meta(cfg))
+    args = dict(x_ptr=x_TH, stride_x=x_TH.stride(0), ids_ptr=topk_ids_TK, stride_ids=topk_ids_TK.stride(0),
+                w_ptr=topk_weights_TK, stride_w=topk_weights_TK.stride(0), slots_ptr=layout.token_slots_TR,
+                ordinals_ptr=layout.ordinals_TK, expert_counts_ptr=layout.expert_counts_E,
+                rank_counts_ptr=layout.rank_counts_R, totals_ptr=ws.totals,
+                bases_ptr=bases if bases is not None else ws.totals,  # read only when OWN_LAYOUT is FROM_BASES
+                send_counter_ptr=ws.counters[COUNTER_DISPATCH_SEND:], T=x_TH.shape[0], H=cfg.hidden_size,
+                ranks_per_node=cfg.gpus_per_node, **bufs.dispatch.send_args(), **_common_args(cfg, bufs, ws))
+    meta = dict(FP8=cfg.dispatch_dtype == "fp8", BT=bt, BLOCK_H=bh, OWN_LAYOUT=int(how),
+                CH=64 if interpreted() else 32, SB=block_tokens(), **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
+
+
+def _recv_named(cfg: EPConfig, recv: RecvLayout, bufs: SymmetricBuffers, ws: Workspace) -> tuple[dict, dict]:
+    """Arguments and constexprs of the receive half."""
+    timeout_ns, max_spins = timeouts(cfg)
+    args = dict(recv_counter_ptr=ws.counters[COUNTER_DISPATCH_RECV:], status_ptr=ws.status, scratch_ptr=ws.scratch,
+                row_ids_ptr=recv.row_ids_M, row_offsets_ptr=recv.row_offsets_L1, num_tokens_ptr=recv.num_tokens_L,
+                src_offsets_ptr=recv.src_offsets_RL, recv_counts_ptr=recv.recv_counts_R, CAP=cfg.max_recv_rows,
+                ALIGN=cfg.expert_alignment, timeout_ns=timeout_ns, max_spins=max_spins,
+                **bufs.dispatch.recv_args(), **_common_args(cfg, bufs, ws))
+    meta = dict(A_PAD=triton.next_power_of_2(cfg.expert_alignment), BJ=64 if interpreted() else 32,
+                USE_TIMER=not interpreted(), **_common_meta(cfg))
+    return args, meta
 
 
 def _scratch_cap(ws: Workspace, budget: int | None) -> int:
     """Receive programs each need a private row of ws.scratch: never more programs than rows."""
     return min(budget, ws.scratch.shape[0]) if budget else ws.scratch.shape[0]
-
-
-def _recv_meta(cfg: EPConfig) -> dict:
-    return dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(cfg.world_size),
-                L_PAD=triton.next_power_of_2(cfg.experts_per_rank),
-                A_PAD=triton.next_power_of_2(cfg.expert_alignment), BJ=64 if interpreted() else 32,
-                USE_TIMER=not interpreted())
-
-
-def _timeouts(cfg: EPConfig) -> tuple[int, int]:
-    """(timeout_ns for the GPU timer, max polls for the interpreter, ~1 ms each there)."""
-    return int(cfg.recv_timeout_s * 1e9), max(1, int(cfg.recv_timeout_s * 1000))
-
-
-def _recv_outputs(rl: RecvLayout) -> list:
-    return [rl.row_ids_M, rl.row_offsets_L1, rl.num_tokens_L, rl.src_offsets_RL, rl.recv_counts_R]
 
 
 def _handle(cfg: EPConfig, bufs: SymmetricBuffers, layout: DispatchLayout, recv: RecvLayout, T: int) -> DispatchHandle:
@@ -532,15 +473,11 @@ def dispatch_send(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tenso
     topk_ids_TK [T, K] int32 (-1 = unused); topk_weights_TK [T, K] fp32. Returns the
     send-side layout, which :func:`dispatch_recv` and the combine need.
     """
-    dev = bufs.device
-    check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, dev)
+    check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, bufs.device)
     budget = num_sms or cfg.num_sms
     layout, how, bases = _layout_for_send(cfg, topk_ids_TK, layout, budget)
-    args, meta, warps = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, ws, budget)
-    args += [bufs.peer_bases, ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_SEND:],
-             *_plan_offsets(bufs).values(), x_TH.shape[0], cfg.hidden_size, cfg.max_tokens_per_rank,
-             bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.gpus_per_node]
-    launch(_dispatch_send_kernel, work=triton.cdiv(x_TH.shape[0], meta["BT"]), device=dev,
+    args, meta, warps = _send_named(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, bufs, ws, budget)
+    launch(_dispatch_send_kernel, work=triton.cdiv(x_TH.shape[0], meta["BT"]), device=bufs.device,
            budget=budget, resident=False, args=args, meta=meta, warps=warps)
     return layout
 
@@ -555,13 +492,7 @@ def dispatch_recv(*, cfg: EPConfig, layout: DispatchLayout, bufs: SymmetricBuffe
     :func:`ray_ep.kernels.buffers.check_status` later.
     """
     recv = out if out is not None else RecvLayout.allocate(cfg, bufs.device)
-    timeout_ns, max_spins = _timeouts(cfg)
-    meta = _recv_meta(cfg)
-    v = bufs.local
-    args = [v["dispatch.recv_count.signal"], v["dispatch.recv_count.counts"], v["dispatch.recv.meta"],
-            ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_RECV:], ws.status, ws.scratch,
-            *_recv_outputs(recv), bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.max_tokens_per_rank,
-            cfg.max_recv_rows, cfg.expert_alignment, timeout_ns, max_spins]
+    args, meta = _recv_named(cfg, recv, bufs, ws)
     launch(_dispatch_recv_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]),
            device=bufs.device, budget=_scratch_cap(ws, num_sms or cfg.num_sms), resident=True, args=args, meta=meta)
     if check:
@@ -569,41 +500,35 @@ def dispatch_recv(*, cfg: EPConfig, layout: DispatchLayout, bufs: SymmetricBuffe
     return _handle(cfg, bufs, layout, recv, num_tokens)
 
 
-def dispatch(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-             bufs: SymmetricBuffers, ws: Workspace, out: RecvLayout | None = None, num_sms: int | None = None,
-             check: bool = True) -> DispatchHandle:
-    """Fused dispatch: send and receive in one launch (GPU; every rank must launch it at once)."""
-    dev = bufs.device
-    check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, dev)
+def dispatch_fused(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                   bufs: SymmetricBuffers, ws: Workspace, out: RecvLayout | None = None, num_sms: int | None = None,
+                   check: bool = True) -> DispatchHandle:
+    """Send and receive in one launch (GPU; every rank must launch it at once). Arguments as
+    :func:`dispatch_send` and :func:`dispatch_recv`."""
+    check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, bufs.device)
     budget = num_sms or cfg.num_sms
     layout, how, bases = _layout_for_send(cfg, topk_ids_TK, None, budget)
-    recv = out if out is not None else RecvLayout.allocate(cfg, dev)
-    args, send_meta, warps = _send_args(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, ws, budget)
-    meta = {**_recv_meta(cfg), **send_meta}
-    timeout_ns, max_spins = _timeouts(cfg)
-    work = max(triton.cdiv(x_TH.shape[0], meta["BT"]), triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]))
-    v = bufs.local
-    args += [bufs.peer_bases, ws.epochs[EPOCH_DISPATCH:], ws.counters[COUNTER_DISPATCH_SEND:],
-             ws.counters[COUNTER_DISPATCH_RECV:], ws.status, ws.scratch, *_recv_outputs(recv),
-             v["dispatch.recv_count.signal"], v["dispatch.recv_count.counts"], v["dispatch.recv.meta"],
-             *_plan_offsets(bufs).values(), x_TH.shape[0], cfg.hidden_size, cfg.max_tokens_per_rank,
-             bufs.rank, cfg.world_size, cfg.experts_per_rank, cfg.gpus_per_node, cfg.max_recv_rows,
-             cfg.expert_alignment,
-             timeout_ns, max_spins]
-    launch(_dispatch_fused_kernel, work=work, device=dev, budget=_scratch_cap(ws, budget),
-           resident=True, args=args, meta=meta, warps=warps)
+    recv = out if out is not None else RecvLayout.allocate(cfg, bufs.device)
+    send_args, send_meta, warps = _send_named(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, bufs, ws,
+                                              budget)
+    recv_args, recv_meta = _recv_named(cfg, recv, bufs, ws)
+    meta = {**send_meta, **recv_meta}
+    work = max(triton.cdiv(x_TH.shape[0], meta["BT"]),
+               triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]))
+    launch(_dispatch_fused_kernel, work=work, device=bufs.device, budget=_scratch_cap(ws, budget),
+           resident=True, args={**send_args, **recv_args}, meta=meta, warps=warps)
     if check:
         check_status(ws, bufs.rank, "dispatch")
     return _handle(cfg, bufs, layout, recv, x_TH.shape[0])
 
 
-# ---- torch twins ---------------------------------------------------------------------------
-def pack_meta_ref(topk_ids_TK: torch.Tensor, ordinals_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+# ---- torch implementations (the twins) -------------------------------------------------------
+def pack_meta_torch(topk_ids_TK: torch.Tensor, ordinals_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
     """Meta rows [T, 3K] int32: ids, ordinals, weight bits."""
     return torch.cat([topk_ids_TK.int(), ordinals_TK.int(), topk_weights_TK.float().contiguous().view(torch.int32)], dim=1)
 
 
-def expert_major_ref(*, cfg: EPConfig, rank: int, counts_RL1: torch.Tensor, meta_rows: torch.Tensor,
+def expert_major_torch(*, cfg: EPConfig, rank: int, counts_RL1: torch.Tensor, meta_rows: torch.Tensor,
                      row_base_R: torch.Tensor, out: RecvLayout | None = None) -> RecvLayout:
     """The receive-side layout from per-source counts and meta rows.
 
@@ -640,20 +565,18 @@ def expert_major_ref(*, cfg: EPConfig, rank: int, counts_RL1: torch.Tensor, meta
     return recv
 
 
-def dispatch_send_ref(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+def dispatch_send_torch(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                       bufs: SymmetricBuffers, ws: Workspace, layout: DispatchLayout | None = None,
                       num_sms: int | None = None) -> DispatchLayout:
     """Torch twin of :func:`dispatch_send`: the same stores through the peers' typed views."""
     check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, bufs.device)
-    from .quant import quantize_fp8_ref
-
     if layout is None:
-        layout = compute_layout_ref(topk_ids_TK=topk_ids_TK, world_size=cfg.world_size,
+        layout = compute_layout_torch(topk_ids_TK=topk_ids_TK, world_size=cfg.world_size,
                                     experts_per_rank=cfg.experts_per_rank)
     me, N, L = bufs.rank, cfg.max_tokens_per_rank, cfg.experts_per_rank
     fp8 = cfg.dispatch_dtype == "fp8"
-    rows, scales = quantize_fp8_ref(x_TH=x_TH) if fp8 else (x_TH, None)
-    meta = pack_meta_ref(topk_ids_TK, layout.ordinals_TK, topk_weights_TK)
+    rows, scales = quantize_fp8_torch(x_TH) if fp8 else (x_TH, None)
+    meta = pack_meta_torch(topk_ids_TK, layout.ordinals_TK, topk_weights_TK)
     epoch = int(ws.epochs[EPOCH_DISPATCH])
     for d, peer in enumerate(bufs.peers):
         slots = layout.token_slots_TR[:, d].long()
@@ -669,12 +592,10 @@ def dispatch_send_ref(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.T
     return layout
 
 
-def dispatch_recv_ref(*, cfg: EPConfig, layout: DispatchLayout, bufs: SymmetricBuffers, ws: Workspace,
+def dispatch_recv_torch(*, cfg: EPConfig, layout: DispatchLayout, bufs: SymmetricBuffers, ws: Workspace,
                       num_tokens: int, out: RecvLayout | None = None, num_sms: int | None = None,
                       check: bool = True) -> DispatchHandle:
     """Torch twin of :func:`dispatch_recv` (a silent source is flagged at once, no waiting)."""
-    from .buffers import STATUS_TIMEOUT
-
     v = bufs.local
     epoch = int(ws.epochs[EPOCH_DISPATCH])
     silent = v["dispatch.recv_count.signal"] < epoch + 1
@@ -690,7 +611,7 @@ def dispatch_recv_ref(*, cfg: EPConfig, layout: DispatchLayout, bufs: SymmetricB
             ws.status[0] |= STATUS_OVERFLOW
         else:
             row_base = torch.arange(cfg.world_size, device=bufs.device, dtype=torch.int32) * N
-            expert_major_ref(cfg=cfg, rank=bufs.rank, counts_RL1=counts,
+            expert_major_torch(cfg=cfg, rank=bufs.rank, counts_RL1=counts,
                              meta_rows=v["dispatch.recv.meta"].view(-1, 3 * cfg.top_k), row_base_R=row_base, out=recv)
     ws.epochs[EPOCH_DISPATCH] += 1  # as the kernel: the round is over, failed or not
     if check:

@@ -16,9 +16,9 @@ import torch
 
 from ..config import EPConfig
 from ..errors import EPInputError
-from .activation import swiglu, swiglu_ref
-from .dispatch import DispatchHandle
-from .grouped_gemm import grouped_gemm, grouped_gemm_ref
+from ..types import DispatchHandle
+from .activation import swiglu, swiglu_torch
+from .grouped_gemm import grouped_gemm, grouped_gemm_torch
 
 
 @dataclass(frozen=True)
@@ -68,26 +68,26 @@ def run_experts(*, handle: DispatchHandle, experts: LocalExperts, scratch: Exper
     (dequantised from fp8 inside the first GEMM); padding rows are not computed.
     """
     on_gpu = handle.x_rows.device.type == "cuda"
-    gemm = grouped_gemm if on_gpu else grouped_gemm_ref
-    act = swiglu if on_gpu else swiglu_ref
+    gemm = grouped_gemm if on_gpu else grouped_gemm_torch
+    act = swiglu if on_gpu else swiglu_torch
     r = handle.recv
-    gemm(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=r.row_ids_M, b_LKN=experts.w_gate_up_LHF2,
+    gemm(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=r.row_ids_M, b_LDO=experts.w_gate_up_LHF2,
          row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L, out=scratch.h_M2F, num_sms=num_sms)
     act(h_M2F=scratch.h_M2F, row_ids_M=r.row_ids_M, total_rows=r.row_offsets_L1[-1:], out=scratch.a_MF)
-    gemm(a=scratch.a_MF, b_LKN=experts.w_down_LFH, row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L,
+    gemm(a=scratch.a_MF, b_LDO=experts.w_down_LFH, row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L,
          out=scratch.y_MH, num_sms=num_sms)
     return scratch.y_MH
 
 
-def run_experts_ref(*, handle: DispatchHandle, experts: LocalExperts, scratch: ExpertScratch,
+def run_experts_torch(*, handle: DispatchHandle, experts: LocalExperts, scratch: ExpertScratch,
                     num_sms: int | None = None) -> torch.Tensor:
     """Torch twin of :func:`run_experts`."""
     r = handle.recv
-    grouped_gemm_ref(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=r.row_ids_M,
-                     b_LKN=experts.w_gate_up_LHF2, row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L,
+    grouped_gemm_torch(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=r.row_ids_M,
+                     b_LDO=experts.w_gate_up_LHF2, row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L,
                      out=scratch.h_M2F)
-    swiglu_ref(h_M2F=scratch.h_M2F, row_ids_M=r.row_ids_M, total_rows=r.row_offsets_L1[-1:], out=scratch.a_MF)
-    grouped_gemm_ref(a=scratch.a_MF, b_LKN=experts.w_down_LFH, row_offsets_L1=r.row_offsets_L1,
+    swiglu_torch(h_M2F=scratch.h_M2F, row_ids_M=r.row_ids_M, total_rows=r.row_offsets_L1[-1:], out=scratch.a_MF)
+    grouped_gemm_torch(a=scratch.a_MF, b_LDO=experts.w_down_LFH, row_offsets_L1=r.row_offsets_L1,
                      num_tokens_L=r.num_tokens_L, out=scratch.y_MH)
     return scratch.y_MH
 

@@ -1,7 +1,7 @@
 """Grouped GEMM over expert-major rows: every local expert multiplies its own rows by its weight.
 
-Legend: L local experts, M_max expert-major rows (padding included), K reduction size,
-N output columns, G = K / 128 fp8 scale groups.
+Legend: L local experts, M_max expert-major rows (padding included), D reduction (depth) size,
+O output columns, G = D / 128 fp8 scale groups. (K stays the top-k of the rest of the package.)
 
 Local expert e owns output rows ``[row_offsets[e], row_offsets[e] + num_tokens[e])``; the
 rest of its segment (up to ``row_offsets[e+1]``) is padding and is not written. For an
@@ -15,7 +15,7 @@ An fp8 ``a`` (e4m3) comes with ``a_scales`` [rows of a, G] fp32 and is dequantis
 the grid covers the worst case and each program finds its (expert, m tile, n tile) from
 ``num_tokens``, so the host never waits. A tile never spans two experts.
 
-Example (L = 2, K = N = 1, row_offsets = [0, 2, 4], num_tokens = [1, 2])::
+Example (L = 2, D = O = 1, row_offsets = [0, 2, 4], num_tokens = [1, 2])::
 
     a = [[2.], [9.], [3.], [4.]];  b = [[[10.]], [[100.]]]
     c = [[20.], [out], [300.], [400.]]           # row 1 is expert 0's padding
@@ -29,7 +29,8 @@ import triton.language as tl
 
 from ..config import FP8_GROUP
 from ..errors import EPInputError
-from ._util import check_tensor, interpreted
+from ..validation import check_tensor
+from ._util import interpreted
 
 A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -37,28 +38,28 @@ A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_scales_ptr, a_row_ids_ptr, b_ptr, c_ptr, row_offsets_ptr, num_tokens_ptr,
-    L, N,
-    stride_am, stride_ak, stride_sm, stride_sk,
-    stride_bl, stride_bk, stride_bn, stride_cm, stride_cn,
-    K: tl.constexpr, HAS_ROW_IDS: tl.constexpr, FP8: tl.constexpr, GROUP_K: tl.constexpr,
+    L, O,
+    stride_am, stride_ad, stride_sm, stride_sd,
+    stride_bl, stride_bd, stride_bo, stride_cm, stride_co,
+    D: tl.constexpr, HAS_ROW_IDS: tl.constexpr, FP8: tl.constexpr, GROUP_D: tl.constexpr,
     DOT_FP32: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # K is constexpr: the interpreter (numpy >= 2) cannot loop up to a runtime scalar, and a
-    # fixed K per weight shape costs one compile per GEMM of the model.
+    # D is constexpr: the interpreter (numpy >= 2) cannot loop up to a runtime scalar, and a
+    # fixed D per weight shape costs one compile per GEMM of the model.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     experts = tl.arange(0, BLOCK_L)
     tokens_L = tl.load(num_tokens_ptr + experts, mask=experts < L, other=0)
-    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    num_o_tiles = tl.cdiv(O, BLOCK_O)
     m_tiles_L = (tokens_L + BLOCK_M - 1) // BLOCK_M
     # tiles expert-major; inside an expert m runs fastest, so programs in flight share one
-    # [K, BLOCK_N] slice of b[e] and the expert's A rows stay in L2 across n tiles
-    tiles_L = m_tiles_L * num_n_tiles
+    # [D, BLOCK_O] slice of b[e] and the expert's A rows stay in L2 across o tiles
+    tiles_L = m_tiles_L * num_o_tiles
     tile_ends_L = tl.cumsum(tiles_L, axis=0)
     total_tiles = tl.sum(tiles_L, axis=0)
 
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
     tile = pid
     # persistent loop (a while: its bound lives on the device); one pass when grid = worst case
     while tile < total_tiles:
@@ -69,8 +70,8 @@ def _grouped_gemm_kernel(
         m_tiles = tl.sum(tl.where(this, m_tiles_L, 0), axis=0)
         tokens = tl.sum(tl.where(this, tokens_L, 0), axis=0)
         local = tile - first_tile
-        n_tile = local // m_tiles
-        m_tile = local - n_tile * m_tiles
+        o_tile = local // m_tiles
+        m_tile = local - o_tile * m_tiles
         seg_start = tl.load(row_offsets_ptr + e)
 
         offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -82,33 +83,33 @@ def _grouped_gemm_kernel(
             src = rows
         # a negative row id inside a real range reads nothing and gives a zero row
         a_mask = m_mask & (src >= 0)
-        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
+        offs_o = o_tile * BLOCK_O + tl.arange(0, BLOCK_O)
+        o_mask = offs_o < O
 
-        a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :] * stride_ak
+        a_ptrs = a_ptr + src[:, None] * stride_am + offs_d[None, :] * stride_ad
         b_ptrs = (b_ptr + e.to(tl.int64) * stride_bl
-                  + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+                  + offs_d[:, None] * stride_bd + offs_o[None, :] * stride_bo)
+        acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d_mask = offs_d < D - d0
+            a = tl.load(a_ptrs, mask=a_mask[:, None] & d_mask[None, :], other=0.0)
             if FP8:
-                # BLOCK_K divides 128: the whole k tile shares one scale per row
-                s = tl.load(a_scales_ptr + src * stride_sm + (k0 // GROUP_K) * stride_sk,
+                # BLOCK_D divides 128: the whole d tile shares one scale per row
+                s = tl.load(a_scales_ptr + src * stride_sm + (d0 // GROUP_D) * stride_sd,
                             mask=a_mask, other=0.0)
                 a = (a.to(tl.float32) * s[:, None]).to(tl.bfloat16)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=d_mask[:, None] & o_mask[None, :], other=0.0)
             if DOT_FP32:
                 # the CPU interpreter multiplies bf16 as raw uint16 bits; fp32 holds bf16
                 # exactly, and "ieee" keeps TF32 out should this ever run on a GPU
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+            a_ptrs += BLOCK_D * stride_ad
+            b_ptrs += BLOCK_D * stride_bd
 
-        c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_o[None, :] * stride_co
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & o_mask[None, :])
         tile += num_programs
 
 
@@ -117,28 +118,28 @@ def _launch_config(device: torch.device) -> dict[str, int]:
     program runs in Python and tests want several tiles per expert.
 
     Measured on one H200 (triton 3.6, 8 experts x 1024 rows, bf16): 128x256x64 with 4 stages
-    (196 KB of shared memory, fits H100/H200) ran gate_up (K 7168, N 4096) at 649 TFLOP/s and
-    down (K 2048, N 7168) at 602, against 552/514 with 3 stages and ~460/430 for 128x128 tiles;
+    (196 KB of shared memory, fits H100/H200) ran gate_up (D 7168, O 4096) at 649 TFLOP/s and
+    down (D 2048, O 7168) at 602, against 552/514 with 3 stages and ~460/430 for 128x128 tiles;
     torch.matmul per expert ran 752/614. Decode (16 rows per expert) is weight-bandwidth bound
-    and ran the same with BLOCK_M 64 or 128. BLOCK_K must divide 128 (one fp8 scale per k tile)."""
+    and ran the same with BLOCK_M 64 or 128. BLOCK_D must divide 128 (one fp8 scale per d tile)."""
     if device.type != "cuda":
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1)
-    return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
+        return dict(BLOCK_M=32, BLOCK_O=64, BLOCK_D=64, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=128, BLOCK_O=256, BLOCK_D=64, num_warps=8, num_stages=4)
 
 
-def _check_grouped_gemm(a, b_LKN, row_offsets_L1, num_tokens_L, a_row_ids, a_scales, out,
+def _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_scales, out,
                         num_sms) -> tuple[int, int, int, int]:
-    """Validate the arguments of :func:`grouped_gemm` / its twin; returns (M_max, K, N, L)."""
+    """Validate the arguments of :func:`grouped_gemm` / its twin; returns (M_max, D, O, L)."""
     check_tensor("a", a, dims=2, dtypes=A_DTYPES)
     dev = a.device
-    K = a.shape[1]
-    check_tensor("b_LKN", b_LKN, dims=3, dtypes=(torch.bfloat16,), device=dev)
-    L, Kb, N = b_LKN.shape
-    if Kb != K:
-        raise EPInputError(f"b_LKN is [L, K, N] with K = {Kb}, but a has K = {K} columns; "
+    D = a.shape[1]
+    check_tensor("b_LDO", b_LDO, dims=3, dtypes=(torch.bfloat16,), device=dev)
+    L, Db, O = b_LDO.shape
+    if Db != D:
+        raise EPInputError(f"b_LDO is [L, D, O] with D = {Db}, but a has D = {D} columns; "
                            f"they must match")
     if L == 0:
-        raise EPInputError("b_LKN must hold at least one expert (L >= 1)")
+        raise EPInputError("b_LDO must hold at least one expert (L >= 1)")
     check_tensor("row_offsets_L1", row_offsets_L1, shape=(L + 1,), dtypes=(torch.int32,), device=dev)
     check_tensor("num_tokens_L", num_tokens_L, shape=(L,), dtypes=(torch.int32,), device=dev)
     if a_row_ids is not None:
@@ -147,69 +148,69 @@ def _check_grouped_gemm(a, b_LKN, row_offsets_L1, num_tokens_L, a_row_ids, a_sca
     else:
         M = a.shape[0]
     if out is not None:
-        check_tensor("out", out, shape=(M, N), dtypes=(torch.bfloat16,), device=dev)
+        check_tensor("out", out, shape=(M, O), dtypes=(torch.bfloat16,), device=dev)
     if a.dtype == torch.float8_e4m3fn:
-        if K % FP8_GROUP:
-            raise EPInputError(f"fp8 a needs K % {FP8_GROUP} == 0 (one scale per {FP8_GROUP} "
-                               f"columns), got K = {K}")
+        if D % FP8_GROUP:
+            raise EPInputError(f"fp8 a needs D % {FP8_GROUP} == 0 (one scale per {FP8_GROUP} "
+                               f"columns), got D = {D}")
         if a_scales is None:
-            raise EPInputError("fp8 a needs a_scales [rows of a, K / 128] fp32")
-        check_tensor("a_scales", a_scales, shape=(a.shape[0], K // FP8_GROUP),
+            raise EPInputError("fp8 a needs a_scales [rows of a, D / 128] fp32")
+        check_tensor("a_scales", a_scales, shape=(a.shape[0], D // FP8_GROUP),
                      dtypes=(torch.float32,), device=dev)
     elif a_scales is not None:
         raise EPInputError(f"a_scales is only for fp8 a; a is {str(a.dtype).replace('torch.', '')}")
     if num_sms is not None and (not isinstance(num_sms, int) or num_sms <= 0):
         raise EPInputError(f"num_sms must be a positive int or None, got {num_sms!r}")
-    return M, K, N, L
+    return M, D, O, L
 
 
-def grouped_gemm(*, a: torch.Tensor, b_LKN: torch.Tensor, row_offsets_L1: torch.Tensor,
+def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.Tensor,
                  num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
                  a_scales: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  num_sms: int | None = None) -> torch.Tensor:
     """Per-expert ``c = A @ b[e]`` over expert-major rows, without a host sync.
 
     Args:
-        a: [rows, K] bf16 or float8_e4m3fn; any strides. Without ``a_row_ids``, rows = M_max
+        a: [rows, D] bf16 or float8_e4m3fn; any strides. Without ``a_row_ids``, rows = M_max
             and output row m reads ``a[m]``.
-        b_LKN: [L, K, N] bf16 expert weights (K the reduction dim); any strides (row-major
-            [K, N] per expert is fastest).
+        b_LDO: [L, D, O] bf16 expert weights (D the reduction dim); any strides (row-major
+            [D, O] per expert is fastest).
         row_offsets_L1: [L + 1] int32 on the device, start of each expert's segment.
         num_tokens_L: [L] int32 on the device, real rows per expert
             (``num_tokens[e] <= row_offsets[e+1] - row_offsets[e]``, not checked: no sync).
         a_row_ids: optional [M_max] int32: output row m reads ``a[a_row_ids[m]]`` (a gather,
             e.g. from a receive buffer); only real rows are read.
-        a_scales: [rows, K / 128] fp32, required iff ``a`` is fp8 (``A = bf16(a * scale)``).
-        out: optional [M_max, N] bf16 (any strides); padding rows keep their contents. When
+        a_scales: [rows, D / 128] fp32, required iff ``a`` is fp8 (``A = bf16(a * scale)``).
+        out: optional [M_max, O] bf16 (any strides); padding rows keep their contents. When
             None, a ``torch.empty`` tensor is returned whose padding rows are undefined.
         num_sms: None launches one program per worst-case tile (most exit at once); an int
             launches a persistent grid of that many programs looping over the tiles.
 
     Returns:
-        c [M_max, N] bf16.
+        c [M_max, O] bf16.
 
-    K is a compile-time constant of the kernel: each weight shape compiles once.
+    D is a compile-time constant of the kernel: each weight shape compiles once.
 
     Example::
 
-        h = grouped_gemm(a=recv_x, b_LKN=w_gate_up, row_offsets_L1=offs, num_tokens_L=counts,
+        h = grouped_gemm(a=recv_x, b_LDO=w_gate_up, row_offsets_L1=offs, num_tokens_L=counts,
                          a_row_ids=row_ids)       # [M_max, 2F]
     """
-    M, K, N, L = _check_grouped_gemm(a, b_LKN, row_offsets_L1, num_tokens_L, a_row_ids, a_scales,
+    M, D, O, L = _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_scales,
                                      out, num_sms)
     dev = a.device
     if dev.type != "cuda" and not interpreted():
         raise EPInputError(f"grouped_gemm runs Triton on CUDA tensors (or on CPU with "
-                           f"TRITON_INTERPRET=1), got tensors on {dev}; use grouped_gemm_ref")
+                           f"TRITON_INTERPRET=1), got tensors on {dev}; use grouped_gemm_torch")
     if out is None:
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
-    if M == 0 or N == 0:
+        out = torch.empty(M, O, dtype=torch.bfloat16, device=dev)
+    if M == 0 or O == 0:
         return out
     cfg = _launch_config(dev)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    bm, bo = cfg["BLOCK_M"], cfg["BLOCK_O"]
     # sum_e ceil(n_e / BM) <= (sum_e n_e + L (BM - 1)) / BM, and every tile holds >= 1 row
     worst_m_tiles = min(M, (M + L * (bm - 1)) // bm)
-    worst_tiles = worst_m_tiles * triton.cdiv(N, bn)
+    worst_tiles = worst_m_tiles * triton.cdiv(O, bo)
     grid = (max(1, worst_tiles if num_sms is None else min(num_sms, worst_tiles)),)
     fp8 = a.dtype == torch.float8_e4m3fn
     # 1-D index vectors are tiny: contiguous copies (on the device, no sync) keep the kernel simple
@@ -218,27 +219,26 @@ def grouped_gemm(*, a: torch.Tensor, b_LKN: torch.Tensor, row_offsets_L1: torch.
     row_ids = a_row_ids.contiguous() if a_row_ids is not None else num_tokens_L  # dummy when unused
     scales = a_scales if fp8 else a  # dummy pointer when unused
     _grouped_gemm_kernel[grid](
-        a, scales, row_ids, b_LKN, out, row_offsets_L1, num_tokens_L,
-        L, N,
-        a.stride(0), a.stride(1), scales.stride(0), scales.stride(1),
-        b_LKN.stride(0), b_LKN.stride(1), b_LKN.stride(2), out.stride(0), out.stride(1),
-        K=K, HAS_ROW_IDS=a_row_ids is not None, FP8=fp8, GROUP_K=FP8_GROUP,
-        DOT_FP32=dev.type != "cuda",
+        a_ptr=a, a_scales_ptr=scales, a_row_ids_ptr=row_ids, b_ptr=b_LDO, c_ptr=out, row_offsets_ptr=row_offsets_L1,
+        num_tokens_ptr=num_tokens_L, L=L, O=O, stride_am=a.stride(0), stride_ad=a.stride(1),
+        stride_sm=scales.stride(0), stride_sd=scales.stride(1), stride_bl=b_LDO.stride(0), stride_bd=b_LDO.stride(1),
+        stride_bo=b_LDO.stride(2), stride_cm=out.stride(0), stride_co=out.stride(1),
+        D=D, HAS_ROW_IDS=a_row_ids is not None, FP8=fp8, GROUP_D=FP8_GROUP, DOT_FP32=dev.type != "cuda",
         BLOCK_L=max(2, triton.next_power_of_2(L)), **cfg,
     )
     return out
 
 
-def grouped_gemm_ref(*, a: torch.Tensor, b_LKN: torch.Tensor, row_offsets_L1: torch.Tensor,
+def grouped_gemm_torch(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.Tensor,
                      num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
                      a_scales: torch.Tensor | None = None, out: torch.Tensor | None = None,
                      num_sms: int | None = None) -> torch.Tensor:
     """Torch twin of :func:`grouped_gemm` (same arguments, any device; reads the counts on
     the host; padding rows of a new output are zero; ``num_sms`` is ignored)."""
-    M, K, N, L = _check_grouped_gemm(a, b_LKN, row_offsets_L1, num_tokens_L, a_row_ids, a_scales,
+    M, D, O, L = _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_scales,
                                      out, num_sms)
     if out is None:
-        out = torch.zeros(M, N, dtype=torch.bfloat16, device=a.device)
+        out = torch.zeros(M, O, dtype=torch.bfloat16, device=a.device)
     offsets, counts = row_offsets_L1.tolist(), num_tokens_L.tolist()
     for e in range(L):
         lo, n = offsets[e], counts[e]
@@ -249,8 +249,8 @@ def grouped_gemm_ref(*, a: torch.Tensor, b_LKN: torch.Tensor, row_offsets_L1: to
         valid = src >= 0
         x = a[src.clamp(min=0)].float()
         if a.dtype == torch.float8_e4m3fn:
-            g = x.reshape(n, K // FP8_GROUP, FP8_GROUP) * a_scales[src.clamp(min=0)][..., None]
-            x = g.reshape(n, K).to(torch.bfloat16).float()
+            g = x.reshape(n, D // FP8_GROUP, FP8_GROUP) * a_scales[src.clamp(min=0)][..., None]
+            x = g.reshape(n, D).to(torch.bfloat16).float()
         x = torch.where(valid[:, None], x, 0.0)
-        out[lo:lo + n] = (x @ b_LKN[e].float()).to(torch.bfloat16)
+        out[lo:lo + n] = (x @ b_LDO[e].float()).to(torch.bfloat16)
     return out

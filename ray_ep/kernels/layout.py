@@ -18,28 +18,18 @@ Example (R = 2, L = 2, so experts 0-1 on rank 0 and 2-3 on rank 1)::
     expert_counts = [2, 1, 1, 1]; rank_counts = [2, 2]
 
 Ordering is deterministic (token order), so the receiver's expert-major layout matches
-:func:`ray_ep.reference.dispatch` row for row.
+:func:`ray_ep.reference.dispatch_world` row for row.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._util import check_tensor, interpreted
-
-
-@dataclass(frozen=True)
-class DispatchLayout:
-    """Send-side layout of one dispatch (all int32, on the tokens' device)."""
-
-    token_slots_TR: torch.Tensor
-    ordinals_TK: torch.Tensor
-    expert_counts_E: torch.Tensor
-    rank_counts_R: torch.Tensor
+from ..types import DispatchLayout
+from ..validation import check_tensor
+from ._util import interpreted
 
 
 def block_tokens() -> int:
@@ -154,10 +144,11 @@ def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank:
     dev = topk_ids_TK.device
     bases = torch.empty(B, E + R, dtype=torch.int32, device=dev)
     totals = torch.empty(E + R, dtype=torch.int32, device=dev)
-    _layout_count_kernel[(B,)](topk_ids_TK, topk_ids_TK.stride(0), T, bases, K=K, L=L, E=E, R=R,
-                               BT=bt, E_PAD=triton.next_power_of_2(E), R_PAD=triton.next_power_of_2(R))
+    _layout_count_kernel[(B,)](ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, block_counts_ptr=bases,
+                               L=L, E=E, R=R, K=K, BT=bt, E_PAD=triton.next_power_of_2(E),
+                               R_PAD=triton.next_power_of_2(R))
     bc = 32
-    _scan_blocks_kernel[(triton.cdiv(E + R, bc),)](bases, B, E + R, totals, BR=64, BC=bc)
+    _scan_blocks_kernel[(triton.cdiv(E + R, bc),)](counts_ptr=bases, B=B, C=E + R, totals_ptr=totals, BR=64, BC=bc)
     return bases, totals
 
 
@@ -186,13 +177,14 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
     else:
         totals = torch.empty(E + R, dtype=torch.int32, device=dev)  # the single block writes it
         bases = totals  # unused
-    _layout_assign_kernel[(B,)](topk_ids_TK, topk_ids_TK.stride(0), T, bases, slots, ordinals, totals,
-                                K=K, L=L, E=E, R=R, HAS_BASES=B > 1, BT=bt, E_PAD=triton.next_power_of_2(E),
+    _layout_assign_kernel[(B,)](ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, bases_ptr=bases,
+                                slots_ptr=slots, ordinals_ptr=ordinals, totals_ptr=totals, L=L, E=E, R=R, K=K,
+                                HAS_BASES=B > 1, BT=bt, E_PAD=triton.next_power_of_2(E),
                                 R_PAD=triton.next_power_of_2(R))
     return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
 
 
-def compute_layout_ref(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int) -> DispatchLayout:
+def compute_layout_torch(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int) -> DispatchLayout:
     """Torch twin of :func:`compute_layout`."""
     _check_ids(topk_ids_TK, world_size, experts_per_rank)
     T, K = topk_ids_TK.shape
@@ -213,12 +205,12 @@ def compute_layout_ref(*, topk_ids_TK: torch.Tensor, world_size: int, experts_pe
     return DispatchLayout(slots.int(), ordinals.int(), exp1h.sum(0).int(), rank1h.sum(0).int())
 
 
-def block_bases_ref(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int
+def block_bases_torch(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of :func:`block_bases`."""
     _check_ids(topk_ids_TK, world_size, experts_per_rank)
     T = topk_ids_TK.shape[0]
-    lay = compute_layout_ref(topk_ids_TK=topk_ids_TK, world_size=world_size, experts_per_rank=experts_per_rank)
+    lay = compute_layout_torch(topk_ids_TK=topk_ids_TK, world_size=world_size, experts_per_rank=experts_per_rank)
     E = world_size * experts_per_rank
     ids = topk_ids_TK.long()
     valid = (ids >= 0) & (ids < E)

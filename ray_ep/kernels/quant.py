@@ -3,7 +3,8 @@
 Legend: T rows, H channels, G = H / 128 scale groups.
 
 The device helpers :func:`quantize_group` and :func:`round_to_e4m3` are shared with the
-dispatch kernel, which quantises inside the send.
+dispatch kernel, which quantises inside the send. The torch implementations (the twins) are
+:func:`ray_ep.fp8.quantize_fp8_torch` and :func:`ray_ep.fp8.dequantize_fp8_torch`.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import reference
-from ..config import FP8_GROUP
-from ..errors import EPInputError
-from ._util import check_tensor, tile_shape
+from ..config import FP8_GROUP, FP8_MAX
+from ..fp8 import check_dequantize_inputs, check_quantize_inputs
+from ._util import tile_shape
 
-FP8_MAX = reference.FP8_MAX
+_GROUP = tl.constexpr(FP8_GROUP)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+# below 2^-6 e4m3 is subnormal, with a fixed step of 2^-9
+_E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 
 
 @triton.jit
@@ -36,10 +39,10 @@ def round_to_e4m3(v):
     # below 2^-6 e4m3 is subnormal with a fixed step of 2^-9: the add/sub of 1.5 * 2^14
     # makes fp32 itself round at that step. It works on |v| and puts the sign bit back, so
     # a negative value that rounds to zero gives -0 as a direct conversion does (the twin)
-    sub = (tl.abs(v) + 24576.0) - 24576.0
+    sub = (tl.abs(v) + 24576.0) - 24576.0  # 24576 = 1.5 * 2^14: fp32's ulp there is 2^-9
     sign = v.to(tl.int32, bitcast=True) & -2147483648  # -2147483648 == 0x80000000
     sub = (sub.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+    return tl.where(tl.abs(v) < _E4M3_MIN_NORMAL, sub, normal)
 
 
 @triton.jit
@@ -47,16 +50,17 @@ def quantize_group(x, GROUPS: tl.constexpr):
     """Quantise a [ROWS, GROUPS * 128] fp32 tile. Returns (q as float8e4nv [ROWS, GROUPS*128],
     scales fp32 [ROWS, GROUPS]). scale = amax / 448 per group (1 for an all-zero group)."""
     ROWS: tl.constexpr = x.shape[0]
-    g = tl.reshape(x, (ROWS, GROUPS, 128))
+    g = tl.reshape(x, (ROWS, GROUPS, _GROUP))
     amax = tl.max(tl.abs(g), axis=2)
     nonzero = amax > 0
     safe = tl.where(nonzero, amax, 1.0)
-    inv = tl.where(nonzero, tl.math.div_rn(tl.full(safe.shape, 448.0, tl.float32), safe), 1.0)
-    scales = tl.where(nonzero, tl.math.div_rn(safe, tl.full(safe.shape, 448.0, tl.float32)), 1.0)
+    limit = tl.full(safe.shape, _FP8_MAX, tl.float32)
+    inv = tl.where(nonzero, tl.math.div_rn(limit, safe), 1.0)
+    scales = tl.where(nonzero, tl.math.div_rn(safe, limit), 1.0)
     v = g * inv[:, :, None]
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
     q = round_to_e4m3(v).to(tl.float8e4nv)
-    return tl.reshape(q, (ROWS, GROUPS * 128)), scales
+    return tl.reshape(q, (ROWS, GROUPS * _GROUP)), scales
 
 
 @triton.jit
@@ -68,10 +72,10 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_x, BLOCK_T: tl.conste
         cols = h0 + tl.arange(0, BLOCK_H)
         mask = rmask & (cols[None, :] < H)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
-        q, s = quantize_group(x.to(tl.float32), BLOCK_H // 128)
+        q, s = quantize_group(x.to(tl.float32), BLOCK_H // _GROUP)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], q, mask=mask)
-        g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-        tl.store(s_ptr + rows[:, None] * (H // 128) + g[None, :], s, mask=rmask & (g[None, :] < H // 128))
+        g = h0 // _GROUP + tl.arange(0, BLOCK_H // _GROUP)
+        tl.store(s_ptr + rows[:, None] * (H // _GROUP) + g[None, :], s, mask=rmask & (g[None, :] < H // _GROUP))
 
 
 @triton.jit
@@ -83,29 +87,12 @@ def _dequantize_fp8_kernel(q_ptr, s_ptr, out_ptr, T, H, BLOCK_T: tl.constexpr, B
         cols = h0 + tl.arange(0, BLOCK_H)
         mask = rmask & (cols[None, :] < H)
         q = tl.load(q_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], mask=mask, other=0.0)
-        g = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-        s = tl.load(s_ptr + rows[:, None] * (H // 128) + g[None, :], mask=rmask & (g[None, :] < H // 128), other=1.0)
-        v = tl.reshape(q.to(tl.float32), (BLOCK_T, BLOCK_H // 128, 128)) * s[:, :, None]
+        g = h0 // _GROUP + tl.arange(0, BLOCK_H // _GROUP)
+        s = tl.load(s_ptr + rows[:, None] * (H // _GROUP) + g[None, :], mask=rmask & (g[None, :] < H // _GROUP),
+                    other=1.0)
+        v = tl.reshape(q.to(tl.float32), (BLOCK_T, BLOCK_H // _GROUP, _GROUP)) * s[:, :, None]
         v = tl.reshape(v, (BLOCK_T, BLOCK_H))
         tl.store(out_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _check_h(H: int) -> None:
-    if H % FP8_GROUP:
-        raise EPInputError(f"fp8 quantisation needs H a multiple of {FP8_GROUP}, got H = {H}")
-
-
-def _check_quantize(x_TH: torch.Tensor) -> None:
-    check_tensor("x_TH", x_TH, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), inner_contiguous=True)
-    _check_h(x_TH.shape[1])
-
-
-def _check_dequantize(q_TH: torch.Tensor, scales_TG: torch.Tensor) -> None:
-    check_tensor("q_TH", q_TH, dims=2, dtypes=(torch.float8_e4m3fn,), contiguous=True)
-    T, H = q_TH.shape
-    _check_h(H)
-    check_tensor("scales_TG", scales_TG, shape=(T, H // FP8_GROUP), dtypes=(torch.float32,),
-                 contiguous=True, device=q_TH.device)
 
 
 def quantize_fp8(*, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,34 +102,24 @@ def quantize_fp8(*, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales_TG [T, H / 128] fp32. Example: a row of 128 channels with amax 3.5 gets scale
     3.5 / 448 = 0.0078125 and q = x / 0.0078125 rounded to e4m3.
     """
-    _check_quantize(x_TH)
+    check_quantize_inputs(x_TH)
     T, H = x_TH.shape
     q = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=x_TH.device)
     s = torch.empty(T, H // FP8_GROUP, dtype=torch.float32, device=x_TH.device)
     if T:
         bt, bh = tile_shape(H, x_TH.device, multiple=FP8_GROUP)
-        _quantize_fp8_kernel[(triton.cdiv(T, bt),)](x_TH, q, s, T, H, x_TH.stride(0), BLOCK_T=bt, BLOCK_H=bh)
+        _quantize_fp8_kernel[(triton.cdiv(T, bt),)](x_ptr=x_TH, q_ptr=q, s_ptr=s, T=T, H=H, stride_x=x_TH.stride(0),
+                                                     BLOCK_T=bt, BLOCK_H=bh)
     return q, s
 
 
 def dequantize_fp8(*, q_TH: torch.Tensor, scales_TG: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """fp8 rows with per-128-channel scales back to ``out_dtype`` [T, H]."""
-    _check_dequantize(q_TH, scales_TG)
+    check_dequantize_inputs(q_TH, scales_TG)
     T, H = q_TH.shape
     out = torch.empty(T, H, dtype=out_dtype, device=q_TH.device)
     if T:
         bt, bh = tile_shape(H, q_TH.device, multiple=FP8_GROUP)
-        _dequantize_fp8_kernel[(triton.cdiv(T, bt),)](q_TH, scales_TG, out, T, H, BLOCK_T=bt, BLOCK_H=bh)
+        _dequantize_fp8_kernel[(triton.cdiv(T, bt),)](q_ptr=q_TH, s_ptr=scales_TG, out_ptr=out, T=T, H=H,
+                                                       BLOCK_T=bt, BLOCK_H=bh)
     return out
-
-
-def quantize_fp8_ref(*, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of :func:`quantize_fp8`."""
-    _check_quantize(x_TH)
-    return reference.quantize_fp8(x_TH)
-
-
-def dequantize_fp8_ref(*, q_TH: torch.Tensor, scales_TG: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Torch twin of :func:`dequantize_fp8`."""
-    _check_dequantize(q_TH, scales_TG)
-    return reference.dequantize_fp8(q_TH, scales_TG).to(out_dtype)

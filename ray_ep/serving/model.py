@@ -1,8 +1,9 @@
 """A small MoE transformer whose MLPs are expert-parallel MoE layers run by the EP workers.
 
-Legend: V vocab size, H hidden size, NH attention heads, D = H / NH head size, S sequence
-length, B sequences, T tokens on a rank (the sum of its sequences' lengths), E routed
-experts, S_sh shared experts, K top-k, F expert intermediate size, R ranks, L = E / R.
+Legend: V vocab size, H hidden size, NH attention heads, D = H / NH head size, P positions
+of a sequence (its length), B sequences, T tokens on a rank (the sum of its sequences'
+lengths), E routed experts, S shared experts, K top-k, F expert intermediate size, R ranks,
+L = E / R.
 
 Architecture (pre-norm decoder, no biases, weights stored [in, out] so ``y = x @ W``)::
 
@@ -15,7 +16,7 @@ Architecture (pre-norm decoder, no biases, weights stored [in, out] so ``y = x @
     logits = (rms_norm(x) * norm) @ head                       # [T, V] fp32
 
 Dense math runs in fp32; experts run in bf16 with fp32 accumulation exactly as the EP layer
-does. Attention uses rotate-half RoPE (base ``rope_theta``) over positions 0..S-1 of each
+does. Attention uses rotate-half RoPE (base ``rope_theta``) over positions 0..P-1 of each
 sequence and needs no KV cache: a generation step recomputes the whole sequence (fine for a
 small model).
 
@@ -73,7 +74,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .. import reference
 from ..config import EPConfig
 from ..errors import EPInputError
-from ..reference import ExpertWeights
+from ..routing import route
+from ..weights import ExpertWeights, init_expert_weights
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +240,7 @@ def init_model_weights(config: MoEModelConfig, seed: int = 0) -> ModelWeights:
     """Seeded random weights, scaled so activations stay O(1); the same on every machine.
 
     Dense tensors draw from one generator (seed) in checkpoint-key order; layer i's experts
-    come from :func:`ray_ep.reference.init_expert_weights` with seed ``seed * 1000 + 1 + i``.
+    come from :func:`ray_ep.weights.init_expert_weights` with seed ``seed * 1000 + 1 + i``.
     """
     g = torch.Generator().manual_seed(seed)
     H, L = config.hidden_size, config.n_layers
@@ -255,7 +257,7 @@ def init_model_weights(config: MoEModelConfig, seed: int = 0) -> ModelWeights:
         else:  # wqkv, router, head: fan-in scaling
             dense[k] = torch.randn(shape, generator=g) / math.sqrt(H)
     ecfg = config.expert_config()
-    experts = [reference.init_expert_weights(ecfg, seed=seed * 1000 + 1 + i) for i in range(L)]
+    experts = [init_expert_weights(ecfg, seed=seed * 1000 + 1 + i) for i in range(L)]
     return ModelWeights(config, dense, experts)
 
 
@@ -328,10 +330,11 @@ def _rope_tables(config: MoEModelConfig, device: torch.device | str) -> tuple[to
     return ang.cos().float().to(device), ang.sin().float().to(device)
 
 
-def _rope(x_SND: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
-    half = x_SND.shape[-1] // 2
-    a, b = x_SND[..., :half], x_SND[..., half:]
-    c, s = cos_SD2[:, None, :], sin_SD2[:, None, :]
+def _rope(x: torch.Tensor, cos_PD2: torch.Tensor, sin_PD2: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [P, NH, D] with tables [P, D / 2]."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    c, s = cos_PD2[:, None, :], sin_PD2[:, None, :]
     return torch.cat([a * c - b * s, a * s + b * c], dim=-1)
 
 
@@ -375,7 +378,7 @@ def forward_tokens(config: MoEModelConfig, dense: dict[str, torch.Tensor], rope:
                 h = _rms_norm(x, dense[p + "attn_norm"], config.norm_eps)
                 x = x + _attention(h, dense[p + "wqkv"], dense[p + "wo"], lengths, config.n_heads, *rope)
             h = _rms_norm(x, dense[p + "mlp_norm"], config.norm_eps)
-            topk_ids, topk_weights = reference.route(h @ dense[p + "router"], config.top_k)
+            topk_ids, topk_weights = route(h @ dense[p + "router"], config.top_k)
         x = x + moe(i, h.to(torch.bfloat16), topk_ids, topk_weights).float()
     with time_phase("dense"):
         last = torch.tensor([end - 1 for end in itertools.accumulate(lengths)], dtype=torch.int64, device=device)

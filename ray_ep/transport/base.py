@@ -2,18 +2,20 @@
 
 A transport owns its communication state (process group or symmetric buffers) for one
 rank. Split forms: ``*_send`` returns a pending object at once, ``*_recv`` completes it,
-so expert compute can run in between; fused forms do both in one call.
+so expert compute can run in between; :meth:`Transport.dispatch` and
+:meth:`Transport.combine` run both halves, in one launch where the backend has a fused form.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
 from ..config import EPConfig
-from ..kernels.dispatch import DispatchHandle
+from ..types import DispatchHandle
 
 
 class Transport(abc.ABC):
@@ -25,9 +27,25 @@ class Transport(abc.ABC):
         self.cfg = cfg
         self.rank = rank
         self.device = device
-        # receive kernels that may flag errors on the device: True checks (a host sync) after
-        # each receive; False defers it to check_status() (hot loops, CUDA graphs)
-        self.check = True
+        self._check = True
+
+    @property
+    def check(self) -> bool:
+        """Whether a receive checks its device-side error flags at once (a host sync); False
+        inside :meth:`deferred_checks`."""
+        return self._check
+
+    @contextlib.contextmanager
+    def deferred_checks(self) -> Iterator[None]:
+        """Inside this block receives only flag errors on the device (no host sync: hot loops,
+        CUDA graphs); leaving it raises what they flagged (:meth:`check_status`)."""
+        before = self._check
+        self._check = False
+        try:
+            yield
+        finally:
+            self._check = before
+        self.check_status()
 
     def check_status(self) -> None:
         """Raise the error a deferred receive flagged (transports that fail on the host: no-op)."""
@@ -40,7 +58,16 @@ class Transport(abc.ABC):
     def dispatch_recv(self, pending: Any) -> DispatchHandle:
         """Wait for every source and return the expert-major receive description."""
 
-    def dispatch(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> DispatchHandle:
+    def dispatch_fused(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
+                       topk_weights_TK: torch.Tensor) -> DispatchHandle:
+        """Send and receive in one step (backends without a fused kernel run the two halves)."""
+        return self.dispatch_recv(self.dispatch_send(x_TH, topk_ids_TK, topk_weights_TK))
+
+    def dispatch(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                 fused: bool = True) -> DispatchHandle:
+        """A whole dispatch: the fused form, or ``send`` then ``recv`` with ``fused=False``."""
+        if fused:
+            return self.dispatch_fused(x_TH, topk_ids_TK, topk_weights_TK)
         return self.dispatch_recv(self.dispatch_send(x_TH, topk_ids_TK, topk_weights_TK))
 
     @abc.abstractmethod
@@ -51,8 +78,16 @@ class Transport(abc.ABC):
     def combine_recv(self, pending: Any, out_dtype: torch.dtype, add_TH: torch.Tensor | None = None) -> torch.Tensor:
         """Wait for every rank's partial rows; return out_TH [T, H] (+ add_TH)."""
 
+    def combine_fused(self, y_MH: torch.Tensor, handle: DispatchHandle, out_dtype: torch.dtype,
+                      add_TH: torch.Tensor | None = None) -> torch.Tensor:
+        """Send and receive in one step (backends without a fused kernel run the two halves)."""
+        return self.combine_recv(self.combine_send(y_MH, handle), out_dtype, add_TH)
+
     def combine(self, y_MH: torch.Tensor, handle: DispatchHandle, out_dtype: torch.dtype,
-                add_TH: torch.Tensor | None = None) -> torch.Tensor:
+                add_TH: torch.Tensor | None = None, fused: bool = True) -> torch.Tensor:
+        """A whole combine: the fused form, or ``send`` then ``recv`` with ``fused=False``."""
+        if fused:
+            return self.combine_fused(y_MH, handle, out_dtype, add_TH)
         return self.combine_recv(self.combine_send(y_MH, handle), out_dtype, add_TH)
 
     def barrier(self) -> None:

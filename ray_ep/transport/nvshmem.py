@@ -1,6 +1,6 @@
 """The ``nvshmem`` backend: symmetric buffers from nvshmem4py and the Triton kernels.
 
-Bootstrap (DESIGN.md): rank 0's worker makes the unique id (:func:`make_unique_id`, 128
+Bootstrap (docs/design.md): rank 0's worker makes the unique id (:func:`make_unique_id`, 128
 picklable bytes; that process hosts the bootstrap root, so it must live until every rank
 has joined), the driver hands it to every worker and all call :class:`NvshmemTransport`
 at once (init is collective and blocking). Every rank then allocates the BufferPlan's block
@@ -28,13 +28,14 @@ from ..errors import EPWorkerError
 from ..kernels import combine as combine_k
 from ..kernels import dispatch as dispatch_k
 from ..kernels.buffers import SymmetricBuffers, Workspace, check_status, typed_views
-from ..kernels.dispatch import DispatchHandle, RecvLayout
+from ..types import DispatchHandle, RecvLayout
 from .base import Transport
 
 log = logging.getLogger(__name__)
 
-# set in the worker process before nvshmem init (also listed in the README)
-NVSHMEM_ENV = {
+# NVLink multicast (NVLS) stays off in NVSHMEM, NCCL and torch's symmetric memory: set in
+# every worker process before a GPU library starts (also listed in the README)
+NO_MULTICAST_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -84,7 +85,7 @@ def runtime_init(rank: int, world_size: int, device: torch.device, unique_id: by
     """Join the NVSHMEM job (collective and blocking: every rank at once)."""
     if _runtime:
         raise EPWorkerError(f"rank {rank}: NVSHMEM is already initialised in this process")
-    for k, v in NVSHMEM_ENV.items():
+    for k, v in NO_MULTICAST_ENV.items():
         os.environ.setdefault(k, v)
     if n_nodes == 1:
         os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
@@ -178,10 +179,8 @@ class NvshmemTransport(Transport):
             ids = torch.arange(cfg.top_k, dtype=torch.int32, device=self.device)[None, :]
             w = torch.full((1, cfg.top_k), 1.0 / cfg.top_k, device=self.device)
             y = torch.zeros(cfg.max_recv_rows, cfg.hidden_size, dtype=torch.bfloat16, device=self.device)
-            h = self.dispatch(x, ids, w)
-            self.combine(y, h, torch.bfloat16)
-            h = self.dispatch_recv(self.dispatch_send(x, ids, w))
-            self.combine_recv(self.combine_send(y, h), torch.bfloat16)
+            for fused in (True, False):
+                self.combine(y, self.dispatch(x, ids, w, fused=fused), torch.bfloat16, fused=fused)
             torch.cuda.synchronize()
         finally:
             self.cfg = cfg
@@ -197,8 +196,8 @@ class NvshmemTransport(Transport):
         return dispatch_k.dispatch_recv(cfg=self.cfg, layout=layout, bufs=self.bufs, ws=self.ws, num_tokens=T,
                                         out=self._recv_out, check=self.check)
 
-    def dispatch(self, x_TH, topk_ids_TK, topk_weights_TK) -> DispatchHandle:
-        return dispatch_k.dispatch(cfg=self.cfg, x_TH=x_TH, topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK,
+    def dispatch_fused(self, x_TH, topk_ids_TK, topk_weights_TK) -> DispatchHandle:
+        return dispatch_k.dispatch_fused(cfg=self.cfg, x_TH=x_TH, topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK,
                                    bufs=self.bufs, ws=self.ws, out=self._recv_out, check=self.check)
 
     def combine_send(self, y_MH, handle):
@@ -209,8 +208,8 @@ class NvshmemTransport(Transport):
         return combine_k.combine_recv(cfg=self.cfg, handle=pending, bufs=self.bufs, ws=self.ws,
                                       out_dtype=out_dtype, add_TH=add_TH, check=self.check)
 
-    def combine(self, y_MH, handle, out_dtype, add_TH=None):
-        return combine_k.combine(cfg=self.cfg, y_MH=y_MH, handle=handle, bufs=self.bufs, ws=self.ws,
+    def combine_fused(self, y_MH, handle, out_dtype, add_TH=None):
+        return combine_k.combine_fused(cfg=self.cfg, y_MH=y_MH, handle=handle, bufs=self.bufs, ws=self.ws,
                                  out_dtype=out_dtype, add_TH=add_TH, check=self.check)
 
     def check_status(self) -> None:

@@ -18,10 +18,13 @@ import torch.distributed as dist
 
 from ..config import FP8_GROUP, EPConfig
 from ..errors import EPInputError
-from ..kernels.combine import combine_partials_ref, combine_sum_ref
-from ..kernels.dispatch import DispatchHandle, check_send_inputs, expert_major_ref, pack_meta_ref
-from ..kernels.layout import DispatchLayout, compute_layout, compute_layout_ref
-from ..kernels.quant import quantize_fp8, quantize_fp8_ref
+from ..fp8 import quantize_fp8_torch
+from ..kernels.combine import combine_partials_torch, combine_sum_torch
+from ..kernels.dispatch import expert_major_torch, pack_meta_torch
+from ..kernels.layout import compute_layout, compute_layout_torch
+from ..kernels.quant import quantize_fp8
+from ..types import DispatchHandle, DispatchLayout
+from ..validation import check_send_inputs
 from .base import Transport
 
 
@@ -72,8 +75,8 @@ class TorchTransport(Transport):
                                     **({"device_id": device} if device.type == "cuda" else {}))
         self.group = dist.group.WORLD
         # Triton layout kernel on GPUs (fast), its torch twin on CPUs (no interpreter cost)
-        self._layout = compute_layout if device.type == "cuda" else compute_layout_ref
-        self._quant = quantize_fp8 if device.type == "cuda" else quantize_fp8_ref
+        self._layout = compute_layout if device.type == "cuda" else compute_layout_torch
+        self._quant = quantize_fp8 if device.type == "cuda" else quantize_fp8_torch
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
              async_op: bool = False):
@@ -98,7 +101,7 @@ class TorchTransport(Transport):
         idx = torch.cat(order) if order else torch.empty(0, dtype=torch.int64, device=self.device)
         fp8 = cfg.dispatch_dtype == "fp8"
         rows, scales = self._quant(x_TH=x_TH) if fp8 else (x_TH, None)
-        meta = pack_meta_ref(topk_ids_TK, layout.ordinals_TK, topk_weights_TK)
+        meta = pack_meta_torch(topk_ids_TK, layout.ordinals_TK, topk_weights_TK)
         n_in = sum(recv_splits)
         r_rows = torch.empty(n_in, H, dtype=rows.dtype, device=self.device)
         r_meta = torch.empty(n_in, 3 * cfg.top_k, dtype=torch.int32, device=self.device)
@@ -114,7 +117,7 @@ class TorchTransport(Transport):
         for w in pending.works:
             w.wait()
         row_base = _exclusive_cumsum(pending.recv_splits, self.device)
-        recv = expert_major_ref(cfg=self.cfg, rank=self.rank, counts_RL1=pending.counts_RL1,
+        recv = expert_major_torch(cfg=self.cfg, rank=self.rank, counts_RL1=pending.counts_RL1,
                                 meta_rows=pending.meta, row_base_R=row_base)
         return DispatchHandle(pending.layout, recv, pending.rows, pending.scales, pending.meta, pending.num_tokens)
 
@@ -124,7 +127,7 @@ class TorchTransport(Transport):
             raise EPInputError(f"y_MH must have {cfg.hidden_size} channels, got {tuple(y_MH.shape)}")
         in_splits = handle.recv.recv_counts_R.tolist()
         row_base = _exclusive_cumsum(in_splits, self.device)
-        parts = combine_partials_ref(cfg=cfg, rank=self.rank, y_MH=y_MH, src_offsets_RL=handle.recv.src_offsets_RL,
+        parts = combine_partials_torch(cfg=cfg, rank=self.rank, y_MH=y_MH, src_offsets_RL=handle.recv.src_offsets_RL,
                                      counts_R=handle.recv.recv_counts_R, meta_rows=handle.meta_rows, row_base_R=row_base)
         wire = torch.bfloat16 if cfg.combine_dtype == "bf16" else torch.float32
         send = torch.cat(parts).to(wire) if parts else torch.empty(0, cfg.hidden_size, dtype=wire, device=self.device)
@@ -137,7 +140,7 @@ class TorchTransport(Transport):
         pending.work.wait()
         h = pending.handle
         row_base = _exclusive_cumsum(h.layout.rank_counts_R.tolist(), self.device)
-        return combine_sum_ref(rows_MH=pending.rows, row_base_R=row_base, token_slots_TR=h.layout.token_slots_TR,
+        return combine_sum_torch(rows_MH=pending.rows, row_base_R=row_base, token_slots_TR=h.layout.token_slots_TR,
                                out_dtype=out_dtype, add_TH=add_TH)
 
     def barrier(self) -> None:

@@ -1,6 +1,7 @@
-"""Per-rank benchmark loops, run inside the workers (the driver's ``ray_ep.bench`` aggregates).
+"""Per-rank benchmark loops, run inside the workers through ``EPCluster.run(run_row, ...)``
+(:mod:`ray_ep.bench.runner` aggregates the ranks' figures into table rows).
 
-Protocol (BENCH.md): inputs rotate among a few seeded sets (never zeros); warm-up first;
+Protocol (docs/benchmarking.md): inputs rotate among a few seeded sets (never zeros); warm-up first;
 every timed iteration starts after a barrier across ranks; device time is measured with CUDA
 events. Before the events the host queues a short GPU sleep and an on-stream barrier, so the
 kernels run back to back on aligned GPUs and the Python launch cost of the phase stays out of
@@ -19,9 +20,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import FP8_GROUP, EPConfig
-from ..kernels.dispatch import DispatchHandle
-from ..reference import dequantize_fp8, expert_popularity, quantize_fp8
+from ..errors import EPInputError
+from ..fp8 import dequantize_fp8_torch, quantize_fp8_torch
+from ..inputs import rank_inputs
+from ..kernels.experts import run_experts, shared_experts
 from ..transport.base import Transport
+from ..types import DispatchHandle
 
 SLEEP_CYCLES = 4_000_000  # ~2 ms at H100/H200 clocks: the host queues a whole phase meanwhile
 
@@ -41,33 +45,9 @@ class RankTimes:
         return asdict(self)
 
 
-def rank_inputs(cfg: EPConfig, num_tokens: int, rank: int, seed: int, routing: str,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's seeded inputs, drawn on the device: x [T, H] bf16, ids [T, K] int32, w [T, K]."""
-    E, K, H = cfg.n_experts, cfg.top_k, cfg.hidden_size
-    g = torch.Generator(device=device).manual_seed(seed * 1009 + rank)
-    x = torch.randn(num_tokens, H, generator=g, device=device).to(torch.bfloat16)
-    if routing == "uniform":
-        scores = torch.rand(num_tokens, E, generator=g, device=device)
-    elif routing == "skewed":  # the same popularity on every rank (seeded on the host)
-        pop = expert_popularity(E, torch.Generator().manual_seed(seed)).log().to(device)
-        u = torch.rand(num_tokens, E, generator=g, device=device, dtype=torch.float64).clamp_min(1e-12)
-        scores = pop[None, :] - torch.log(-torch.log(u))
-    else:
-        raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
-    ids = torch.topk(scores, K, dim=-1).indices.to(torch.int32)
-    w = torch.rand(num_tokens, K, generator=g, device=device) + 0.1
-    return x, ids.contiguous(), (w / w.sum(-1, keepdim=True)).float().contiguous()
-
-
-def identity_outputs(h: DispatchHandle, cfg: EPConfig) -> torch.Tensor:
+def identity_outputs(h: DispatchHandle) -> torch.Tensor:
     """Expert outputs of identity experts: y[m] = the dispatched row (dequantised), bf16."""
-    ids = h.recv.row_ids_M.long()
-    valid = ids >= 0
-    rows = h.x_rows[ids.clamp(min=0)]
-    if h.scales_rows is not None:
-        rows = dequantize_fp8(rows, h.scales_rows[ids.clamp(min=0)])
-    return torch.where(valid[:, None], rows.float(), 0.0).to(torch.bfloat16)
+    return h.expert_major_rows().to(torch.bfloat16)
 
 
 def misplaced_rows(h: DispatchHandle, cfg: EPConfig, rank: int) -> int:
@@ -84,8 +64,9 @@ def misplaced_rows(h: DispatchHandle, cfg: EPConfig, rank: int) -> int:
 
 
 def expected_round_trip(x: torch.Tensor, w: torch.Tensor, cfg: EPConfig) -> torch.Tensor:
-    xs = dequantize_fp8(*quantize_fp8(x)) if cfg.dispatch_dtype == "fp8" else x.float()
-    return xs * w.sum(-1, keepdim=True)
+    if cfg.dispatch_dtype == "fp8":
+        x = dequantize_fp8_torch(*quantize_fp8_torch(x), out_dtype=torch.float32)
+    return x.float() * w.sum(-1, keepdim=True)
 
 
 def soak(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rounds: int, num_tokens: int,
@@ -94,11 +75,10 @@ def soak(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rounds
     round, identity experts: the largest round-trip error and misplaced rows seen."""
     worst, bad = 0.0, 0
     for i in range(rounds):
-        x, ids, w = rank_inputs(cfg, num_tokens, rank, seed + i, routing, device)
-        h = t.dispatch(x, ids, w) if fused else t.dispatch_recv(t.dispatch_send(x, ids, w))
+        x, ids, w = rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device)
+        h = t.dispatch(x, ids, w, fused=fused)
         bad += misplaced_rows(h, cfg, rank)
-        y = identity_outputs(h, cfg)
-        out = t.combine(y, h, torch.bfloat16) if fused else t.combine_recv(t.combine_send(y, h), torch.bfloat16)
+        out = t.combine(identity_outputs(h), h, torch.bfloat16, fused=fused)
         if num_tokens:
             exp = expected_round_trip(x, w, cfg)
             worst = max(worst, ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item())
@@ -134,62 +114,54 @@ class _Clock:
 def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, num_tokens: int, routing: str,
                seed: int, iters: int, warmup: int, fused: bool, sets: int = 3) -> RankTimes:
     """Dispatch and combine (identity experts between them), each timed on its own."""
-    inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device) for i in range(sets)]
-    t.check = True
+    inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device) for i in range(sets)]
     # correctness once, before timing
     x, ids, w = inputs[0]
     h = t.dispatch(x, ids, w)
     bad = misplaced_rows(h, cfg, rank)
-    out = t.combine(identity_outputs(h, cfg), h, torch.bfloat16)
+    out = t.combine(identity_outputs(h), h, torch.bfloat16)
     exp = expected_round_trip(x, w, cfg)
     err = ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item() if num_tokens else 0.0
     remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
     received = int(h.recv.recv_counts_R.sum())
-    t.check = False  # no host sync inside the timed region; status checked at the end
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"dispatch": [], "combine": []}
-    for i in range(warmup + iters):
-        x, ids, w = inputs[i % sets]
-        s = clock.start()
-        h = t.dispatch(x, ids, w) if fused else t.dispatch_recv(t.dispatch_send(x, ids, w))
-        d_us = clock.stop(s)
-        y = identity_outputs(h, cfg)
-        s = clock.start()
-        if fused:
-            t.combine(y, h, torch.bfloat16)
-        else:
-            t.combine_recv(t.combine_send(y, h), torch.bfloat16)
-        c_us = clock.stop(s)
-        if i >= warmup:
-            times["dispatch"].append(d_us)
-            times["combine"].append(c_us)
-    t.check_status()
+    with t.deferred_checks():  # no host sync inside the timed region
+        for i in range(warmup + iters):
+            x, ids, w = inputs[i % sets]
+            s = clock.start()
+            h = t.dispatch(x, ids, w, fused=fused)
+            d_us = clock.stop(s)
+            y = identity_outputs(h)
+            s = clock.start()
+            t.combine(y, h, torch.bfloat16, fused=fused)
+            c_us = clock.stop(s)
+            if i >= warmup:
+                times["dispatch"].append(d_us)
+                times["combine"].append(c_us)
     return RankTimes(rank, times, remote, received, err, bad)
 
 
 def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, experts, scratch, num_tokens: int,
                 routing: str, seed: int, iters: int, warmup: int, sets: int = 3) -> RankTimes:
     """A whole MoE layer: dispatch, grouped-GEMM experts, combine (+ shared experts)."""
-    from ..kernels.experts import run_experts, shared_experts
-
-    inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device) for i in range(sets)]
-    t.check = False
+    inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device) for i in range(sets)]
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"layer": []}
     remote = received = 0
-    for i in range(warmup + iters):
-        x, ids, w = inputs[i % sets]
-        s = clock.start()
-        h = t.dispatch(x, ids, w)
-        y = run_experts(handle=h, experts=experts, scratch=scratch)
-        t.combine(y, h, torch.bfloat16, shared_experts(x, experts))
-        us = clock.stop(s)
-        if i >= warmup:
-            times["layer"].append(us)
-        if i == 0:
-            remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
-            received = int(h.recv.recv_counts_R.sum())
-    t.check_status()
+    with t.deferred_checks():
+        for i in range(warmup + iters):
+            x, ids, w = inputs[i % sets]
+            s = clock.start()
+            h = t.dispatch(x, ids, w)
+            y = run_experts(handle=h, experts=experts, scratch=scratch)
+            t.combine(y, h, torch.bfloat16, shared_experts(x, experts))
+            us = clock.stop(s)
+            if i >= warmup:
+                times["layer"].append(us)
+            if i == 0:
+                remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
+                received = int(h.recv.recv_counts_R.sum())
     return RankTimes(rank, times, remote, received, 0.0, 0)
 
 
@@ -242,3 +214,29 @@ def row_bytes(cfg: EPConfig, phase: str) -> int:
     if phase == "dispatch":
         return H + 4 * H // FP8_GROUP if cfg.dispatch_dtype == "fp8" else 2 * H
     return H * (2 if cfg.combine_dtype == "bf16" else 4)
+
+
+def run_row(worker, kind: str, *, group: str = "main", backend: str | None = None, **kwargs) -> dict:
+    """One benchmark row on this rank, run as ``EPCluster.run(run_row, kind, ...)``
+    (collective: every rank at once).
+
+    kind: ``comm`` (dispatch and combine), ``layer`` (whole MoE layer; loads seeded experts
+    if the group has none), ``all_to_all`` (raw NCCL, equal splits), ``peer_copy`` (copy
+    engine, rank 0 -> rank 1), ``soak`` (many correctness rounds in a row, no timing).
+    """
+    g = worker.group_state(group)
+    rank, device = worker.rank, worker.device
+    if kind == "comm":
+        return bench_comm(worker.transport(backend, group), g.cfg, rank, device, **kwargs).to_dict()
+    if kind == "layer":
+        if g.scratch is None or 0 not in g.experts:
+            worker.load_experts(seed=0, group=group)
+        return bench_layer(worker.transport(backend, group), g.cfg, rank, device, experts=g.experts[0],
+                           scratch=g.scratch, **kwargs).to_dict()
+    if kind == "soak":
+        return soak(worker.transport(backend, group), g.cfg, rank, device, **kwargs)
+    if kind == "all_to_all":
+        return bench_alltoall(worker.transport("torch", group), g.cfg, rank, device, **kwargs).to_dict()
+    if kind == "peer_copy":
+        return bench_peer_copy(worker.transport("nvshmem", group), rank, device, **kwargs).to_dict()
+    raise EPInputError(f"unknown benchmark kind {kind!r}: use comm, layer, soak, all_to_all or peer_copy")

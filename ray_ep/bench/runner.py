@@ -1,7 +1,7 @@
 """Benchmarks: ray_ep's dispatch / combine / MoE layer beside the baselines, in one run.
 
 ``python -m ray_ep.bench`` (or ``ray-ep bench``) prints a table and can write JSON and a plot.
-Protocol (BENCH.md): per preset a correctness check before timing, warm-up, >= 50 timed
+Protocol (docs/benchmarking.md): per preset a correctness check before timing, warm-up, >= 50 timed
 iterations each after a barrier across ranks, rotating inputs; per rank the median, and the
 maximum over ranks (the slowest rank sets the layer's time), p10 / p90 beside it. Baselines
 in the same run: the NCCL pipeline (``torch`` backend), raw all_to_all_single with equal
@@ -19,11 +19,13 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from .actors.timing import row_bytes
-from .config import EPConfig
-from .driver import EPCluster
+from tqdm import tqdm
 
-# BENCH.md presets: model preset, tokens per rank, dispatch dtypes
+from ..config import EPConfig, parse_topology
+from ..driver import EPCluster
+from .loops import row_bytes, run_row
+
+# docs/benchmarking.md presets: model preset, tokens per rank, dispatch dtypes
 BENCH_PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3-prefill": {"model": "deepseek-v3", "tokens": 4096, "dtypes": ["bf16", "fp8"]},
     "deepseek-v3-decode": {"model": "deepseek-v3", "tokens": 128, "dtypes": ["fp8", "bf16"]},
@@ -125,25 +127,17 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
     remote = statistics.mean(r["remote_rows"] for r in per_rank) * nbytes_per_row
     received = statistics.mean(r["received_rows"] for r in per_rank) * nbytes_per_row
     checks = [r["check_error"] for r in per_rank]
-    return BenchRow(op=op, world_size=cfg.world_size, topology=f"{cfg.n_nodes}x{cfg.gpus_per_node}", median_us=slowest, p10_us=_pct(samples, 0.1),
-                    p90_us=_pct(samples, 0.9), per_rank_median_us=medians,
+    return BenchRow(op=op, world_size=cfg.world_size, topology=f"{cfg.n_nodes}x{cfg.gpus_per_node}",
+                    median_us=slowest, p10_us=_pct(samples, 0.1), p90_us=_pct(samples, 0.9), per_rank_median_us=medians,
                     remote_gbps=remote / slowest / 1e3 if slowest else 0.0,
                     received_gbps=received / slowest / 1e3 if slowest else 0.0,
                     check_error=max(checks) if op in ("dispatch", "combine") else None,
                     misplaced_rows=sum(r["misplaced_rows"] for r in per_rank), **labels)
 
 
-class _Progress:
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.done, self.enabled = total, 0, enabled
-
-    def step(self, what: str) -> None:
-        self.done += 1
-        if self.enabled:
-            width = 24
-            fill = int(width * self.done / max(1, self.total))
-            print(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {what:<60}",
-                  end="" if self.done < self.total else "\n", file=sys.stderr, flush=True)
+def _step(bar: tqdm, what: str) -> None:
+    bar.set_postfix_str(what, refresh=False)
+    bar.update()
 
 
 def _meta(cluster: EPCluster, iters: int) -> dict:
@@ -204,7 +198,8 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
                 for rt in routing:
                     for T in sweep:
                         plan.append((p, dt, b, rt, T))
-    bar = _Progress(len(plan) * (2 if layer else 1) + (len(presets) + 1 if baselines and on_gpu else 0), progress)
+    bar = tqdm(total=len(plan) * (2 if layer else 1) + (len(presets) + 1 if baselines and on_gpu else 0),
+               disable=not progress, unit="row", leave=False)
     for p in presets:
         spec = BENCH_PRESETS[p]
         n_max = max(list(tokens) if tokens else [spec["tokens"]])
@@ -220,27 +215,27 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
                         continue
                     labels = dict(preset=p, backend=BACKEND_LABELS[b], dtype=dt, routing=rt, tokens=T,
                                   sms=sms_label if b == "nvshmem" else "-")
-                    per_rank = cluster.call_workers("bench", "comm", group=name, backend=b, num_tokens=T, routing=rt,
-                                                    seed=seed, iters=iters, warmup=warmup, fused=fused)
+                    per_rank = cluster.run(run_row, "comm", group=name, backend=b, num_tokens=T, routing=rt,
+                                           seed=seed, iters=iters, warmup=warmup, fused=fused)
                     result.rows.append(aggregate(per_rank, "dispatch", cfg, row_bytes(cfg, "dispatch"), **labels))
                     result.rows.append(aggregate(per_rank, "combine", cfg, row_bytes(cfg, "combine"), **labels))
-                    bar.step(f"{p} {labels['backend']} {dt} {rt} T={T}")
+                    _step(bar, f"{p} {labels['backend']} {dt} {rt} T={T}")
                     if layer:
-                        per_rank = cluster.call_workers("bench", "layer", group=name, backend=b, num_tokens=T,
-                                                        routing=rt, seed=seed, iters=iters, warmup=warmup)
+                        per_rank = cluster.run(run_row, "layer", group=name, backend=b, num_tokens=T,
+                                               routing=rt, seed=seed, iters=iters, warmup=warmup)
                         result.rows.append(aggregate(per_rank, "layer", cfg, row_bytes(cfg, "dispatch"), **labels))
-                        bar.step(f"{p} {labels['backend']} {dt} {rt} T={T} layer")
+                        _step(bar, f"{p} {labels['backend']} {dt} {rt} T={T} layer")
                 if baselines and on_gpu and dt == spec["dtypes"][0]:
                     T = n_max
-                    per_rank = cluster.call_workers("bench", "all_to_all", group=name, rows_per_peer=T,
-                                                    iters=iters, warmup=warmup)
+                    per_rank = cluster.run(run_row, "all_to_all", group=name, rows_per_peer=T,
+                                           iters=iters, warmup=warmup)
                     result.rows.append(aggregate(per_rank, "all_to_all", cfg, 2 * cfg.hidden_size, preset=p,
                                                  backend="nccl-a2a-equal", dtype="bf16", routing="-", tokens=T, sms="-"))
-                    bar.step(f"{p} all_to_all_single equal splits")
+                    _step(bar, f"{p} all_to_all_single equal splits")
             finally:
                 cluster.call_workers("drop_group", name)
     if baselines and on_gpu and cluster.config.gpus_per_node >= 2:  # a pair on one node
-        per_rank = cluster.call_workers("bench", "peer_copy", nbytes=256 * 2**20, iters=iters, warmup=warmup)
+        per_rank = cluster.run(run_row, "peer_copy", nbytes=256 * 2**20, iters=iters, warmup=warmup)
         rank0 = per_rank[:1]
         med = statistics.median(rank0[0]["times_us"]["peer_copy"])
         nb = rank0[0]["remote_rows"]
@@ -249,7 +244,8 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
                                     p10_us=_pct(rank0[0]["times_us"]["peer_copy"], 0.1),
                                     p90_us=_pct(rank0[0]["times_us"]["peer_copy"], 0.9), per_rank_median_us=[med],
                                     remote_gbps=nb / med / 1e3, received_gbps=nb / med / 1e3))
-        bar.step("copy-engine peer copy, one pair")
+        _step(bar, "copy-engine peer copy, one pair")
+    bar.close()
     return result
 
 
@@ -279,11 +275,9 @@ def add_arguments(parser) -> None:
 def topology_from_args(args, default_world: int) -> tuple[int, int]:
     """(n_nodes, gpus_per_node) from --topology / --gpus / --world."""
     if args.topology:
-        try:
-            n, g = (int(v) for v in args.topology.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--topology must look like 2x2 (NODESxGPUS), got {args.topology!r}")
-        return n, g
+        from ..cli import topology_arg
+
+        return topology_arg(args.topology)
     return 1, args.gpus or args.world or default_world
 
 
@@ -320,6 +314,3 @@ def run_from_args(args) -> int:
     print(res.table())
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

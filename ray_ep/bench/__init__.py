@@ -1,0 +1,13 @@
+"""Benchmarks of ray_ep beside the baselines, in one run (``ray-ep bench``, ``python -m ray_ep.bench``).
+
+- :mod:`ray_ep.bench.runner`: the driver side: presets, the run plan, aggregation over ranks,
+  the table, JSON and plot, the command-line flags.
+- :mod:`ray_ep.bench.loops`: the per-rank loops that run inside the workers (correctness
+  check, warm-up, timed iterations).
+
+The protocol and how to read the table: docs/benchmarking.md.
+"""
+
+from .runner import BENCH_PRESETS, BenchResult, BenchRow, add_arguments, main, run_bench, run_from_args
+
+__all__ = ["BENCH_PRESETS", "BenchResult", "BenchRow", "add_arguments", "main", "run_bench", "run_from_args"]
