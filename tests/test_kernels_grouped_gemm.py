@@ -184,7 +184,7 @@ def test_grouped_gemm_new_output():
 @pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8"])
 def test_expert_chain_matches_reference_experts(dispatch_dtype):
     # gate_up GEMM (gathering from the dispatched rows) -> SwiGLU -> down GEMM, per rank, against
-    # reference.experts: the twins exactly, the kernels within the chain tolerance
+    # reference.experts_world: the twins exactly on CPU, the kernels within the chain tolerance
     cfg = EPConfig(hidden_size=128, n_experts=8, top_k=3, max_tokens_per_rank=24, intermediate_size=64,
                    gpus_per_node=2, expert_alignment=8, dispatch_dtype=dispatch_dtype)
     xs, ids, _ = make_inputs(cfg, [24, 19], seed=14, routing="skewed")
@@ -205,9 +205,10 @@ def test_expert_chain_matches_reference_experts(dispatch_dtype):
                      b_LDO=local.w_gate_up.to(device), **args)
             a = act(h_M2F=h, row_ids_M=a_row_ids, total_rows=args["row_offsets_L1"][-1:])
             y = gemm(a=a, b_LDO=local.w_down.to(device), **args).cpu()
-            if tol is None:
+            if tol is None and device == "cpu":
                 assert torch.equal(y[real], expected[rank][real])
-            else:
+            else:  # the kernels; and the twins on a GPU, whose fp32 matmul sums in another order
+                tol = tol or "chain"
                 torch.testing.assert_close(y[real].float(), expected[rank][real].float(), **TOL[tol])
 
 
