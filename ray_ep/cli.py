@@ -1,6 +1,6 @@
 """``ray-ep``: the command line.
 
-    ray-ep plan  --preset deepseek-v3 [--gpus 4]     bytes of every symmetric buffer per GPU
+    ray-ep plan  --preset deepseek-v3 [--gpus 4]     memory per rank: symmetric buffers, experts, host
     ray-ep check --preset tiny --world 4             layers on the cluster vs the reference
     ray-ep info                                      devices, versions, backends available
     ray-ep bench --preset deepseek-v3-prefill        benchmark table (see ray_ep.bench)
@@ -13,7 +13,12 @@ import argparse
 import sys
 from typing import Sequence
 
-from .config import PRESETS, EPConfig, parse_topology, plan_buffers
+from .config import PRESETS, EPConfig, describe_config_error, parse_topology, plan_buffers, plan_memory
+from .errors import EPError, EPInputError
+
+
+class UsageError(Exception):
+    """A bad flag or config: ``main`` prints it on one line and exits with status 2."""
 
 
 def topology_arg(text: str) -> tuple[int, int]:
@@ -21,7 +26,7 @@ def topology_arg(text: str) -> tuple[int, int]:
     try:
         return parse_topology(text)
     except ValueError as e:
-        raise SystemExit(f"--topology: {e}") from None
+        raise UsageError(f"--topology: {e}") from None
 
 
 def _config_from(args: argparse.Namespace, default_world: int) -> EPConfig:
@@ -35,11 +40,17 @@ def _config_from(args: argparse.Namespace, default_world: int) -> EPConfig:
         v = getattr(args, field, None)
         if v is not None:
             overrides[field] = v
-    if args.config:
-        return EPConfig.from_file(args.config, **overrides)
-    if not overrides.get("gpus_per_node") and args.preset == "tiny":
-        overrides.setdefault("gpus_per_node", default_world)
-    return EPConfig.preset(args.preset, **overrides)
+    try:
+        if args.config:
+            return EPConfig.from_file(args.config, **overrides)
+        if not overrides.get("gpus_per_node") and args.preset == "tiny":
+            overrides.setdefault("gpus_per_node", default_world)
+        return EPConfig.preset(args.preset, **overrides)
+    except OSError as e:
+        raise UsageError(f"--config {args.config}: {e.strerror or e}") from None
+    except Exception as e:  # a ValidationError or a YAML/JSON syntax error: the config is wrong
+        where = f"--config {args.config}" if args.config else f"--preset {args.preset}"
+        raise UsageError(f"{where}: {describe_config_error(e)}") from None
 
 
 def _topology_args(p: argparse.ArgumentParser) -> None:
@@ -59,6 +70,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"E={cfg.n_experts}, K={cfg.top_k}, N_max={cfg.max_tokens_per_rank}, dispatch {cfg.dispatch_dtype}")
     print(plan.table())
     print(f"symmetric memory per GPU: {plan.total_bytes / 2**20:.1f} MiB ({plan.total_bytes} bytes)")
+    print()
+    print(plan_memory(cfg).table(cfg.world_size))
     return 0
 
 
@@ -66,7 +79,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .driver import EPCluster
 
     cfg = _config_from(args, default_world=2)
-    with EPCluster(cfg, address=args.address) as ep:
+    with EPCluster(cfg, address=args.address, check_memory=not args.no_memory_check) as ep:
         report = ep.check(num_tokens=args.tokens, seed=args.seed, routing=args.routing, rounds=args.rounds,
                           fused=not args.split)
     print(f"check: {cfg.world_size} ranks, backend {report.backend}, routing {args.routing}, "
@@ -114,7 +127,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="ray-ep", description="Mixture-of-Experts dispatch/combine on Ray")
+    parser.add_argument("--version", action="version", version=f"ray-ep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="print the symmetric-buffer bytes per GPU of a preset or YAML")
@@ -130,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", action="store_true", help="split send/recv forms instead of fused")
     p.add_argument("--address", default=None, help="Ray address (default: start a local Ray)")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="start even when the memory plan exceeds the free GPU or host memory")
     p.set_defaults(fn=cmd_check)
 
     p = sub.add_parser("info", help="versions, devices and backends")
@@ -152,8 +170,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Exit status: 0 done, 1 a check failed or the cluster failed (one line
+    naming the error), 2 bad flags or config (one line), 130 interrupted."""
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    who = f"ray-ep {args.command}"
+    try:
+        return args.fn(args)
+    except UsageError as e:
+        print(f"{who}: {e}", file=sys.stderr)
+        return 2
+    except EPInputError as e:
+        print(f"{who}: {e}", file=sys.stderr)
+        return 2
+    except EPError as e:
+        print(f"{who}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{who}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -293,3 +293,85 @@ def plan_buffers(cfg: EPConfig) -> BufferPlan:
         buffers.append(spec)
         offset += -(-spec.nbytes // ALIGN_BYTES) * ALIGN_BYTES
     return BufferPlan(tuple(buffers), offset)
+
+
+# ---- memory plan ---------------------------------------------------------------------------
+def format_bytes(nbytes: int) -> str:
+    """1.25 GiB, 12.0 MiB or 512 KiB: the unit that keeps the number readable."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes / 2**10:.0f} KiB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes one rank needs, known before anything is allocated (:func:`plan_memory`).
+
+    On GPUs the first four live on the rank's device; on CPU workers all of them live on the
+    host, and every rank of a local cluster shares that host.
+    """
+
+    symmetric: int
+    """The symmetric buffers (:class:`BufferPlan`)."""
+    experts_per_layer: int
+    """One MoE layer's routed experts of this rank (L of them) plus the shared ones, bf16."""
+    scratch: int
+    """Expert intermediates for the largest receive (max_recv_rows x (2F + F + H), bf16)."""
+    workspace: int
+    """Receive description, epochs, counters, per-program tables (small)."""
+    host_build: int
+    """Host peak while seeded weights are built: one expert drawn in fp32 beside its bf16 copy."""
+    check_reference: int
+    """Host bytes of :meth:`EPCluster.check` per rank: the whole world's experts (E routed
+    + S shared, bf16) that the reference needs, plus its fp32 copy of one expert."""
+
+    def per_rank(self, layers: int = 1) -> int:
+        """What a rank holds once ``layers`` expert layers are loaded."""
+        return self.symmetric + self.scratch + self.workspace + layers * self.experts_per_layer
+
+    def table(self, world_size: int, layers: int = 1) -> str:
+        rows = [
+            ("symmetric buffers", self.symmetric),
+            (f"expert weights ({layers} layer{'s' if layers != 1 else ''})", layers * self.experts_per_layer),
+            ("expert scratch", self.scratch),
+            ("workspace", self.workspace),
+            ("per rank (GPU memory, or host on CPU workers)", self.per_rank(layers)),
+            (f"all {world_size} ranks on one host (CPU workers)", world_size * self.per_rank(layers)),
+            ("host peak while building seeded weights, per rank", self.host_build),
+            ("host per rank for `check` (the reference's world weights)", self.check_reference),
+        ]
+        return "\n".join(f"{name:<60}{format_bytes(nbytes):>12}" for name, nbytes in rows)
+
+
+def plan_memory(cfg: EPConfig) -> MemoryPlan:
+    """The memory of one rank of ``cfg``; see :class:`MemoryPlan`."""
+    H, Fi, L, S, E = cfg.hidden_size, cfg.intermediate_size, cfg.experts_per_rank, cfg.n_shared_experts, cfg.n_experts
+    bf16 = DTYPE_BYTES["bf16"]
+    expert = 3 * H * Fi * bf16  # gate_up [H, 2F] and down [F, H]
+    M, R = cfg.max_recv_rows, cfg.world_size
+    # RecvLayout (M + L + 1 + L + R L + R int32), scratch tables (4 per SM, E int32: 132 SMs at most
+    # on the GPUs we run; a bound), totals, status
+    workspace = 4 * (M + 2 * L + 1 + R * L + R) + 4 * 4 * 132 * E + 4 * (E + 2 * R + 1) + 64
+    return MemoryPlan(
+        symmetric=plan_buffers(cfg).total_bytes,
+        experts_per_layer=(L + S) * expert,
+        scratch=M * (2 * Fi + Fi + H) * bf16,
+        workspace=workspace,
+        host_build=expert + 3 * H * Fi * DTYPE_BYTES["fp32"],
+        check_reference=(E + S) * expert + 3 * H * Fi * DTYPE_BYTES["fp32"],
+    )
+
+
+def describe_config_error(e: Exception) -> str:
+    """One line for a config that does not validate (a pydantic ValidationError lists each
+    failed rule over several lines; the messages already say what to change)."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        parts = []
+        for err in errors():
+            msg = str(err.get("msg", "")).removeprefix("Value error, ")
+            loc = ".".join(str(x) for x in err.get("loc", ()))
+            parts.append(f"{loc}: {msg}" if loc else msg)
+        return "; ".join(parts)
+    return " ".join(str(e).split())

@@ -28,8 +28,9 @@ import torch
 
 from .actors.group import EPWorkerGroup
 from .actors.worker import DispatchSummary, EPWorker
-from .config import EPConfig, plan_buffers
-from .errors import EPInputError, EPStateError
+from .config import EPConfig, format_bytes, plan_buffers, plan_memory
+from .errors import EPClusterError, EPInputError, EPStateError
+from .inputs import ROUTINGS
 from .routing import route
 from .transport.nvshmem import NO_MULTICAST_ENV
 from .validation import validate_moe_inputs, validate_per_rank, validate_router_logits
@@ -101,11 +102,16 @@ class EPCluster:
             ones NVSHMEM/NCCL need: NVLink multicast stays off).
         num_cpus_per_worker: CPU slots per worker (default 1 with GPUs, 0.5 without).
         placement_strategy: see :class:`~ray_ep.actors.group.EPWorkerGroup`.
+        check_memory: before allocating (start: symmetric buffers; load_experts: weights and
+            scratch; check: the reference's world weights), compare the plan
+            (:func:`~ray_ep.config.plan_memory`) with the memory the workers' GPUs and hosts
+            have free, and raise EPClusterError naming both when it does not fit. False tries
+            anyway.
     """
 
     def __init__(self, config: EPConfig | str | dict, *, address: str | None = None, use_gpu: bool | None = None,
                  runtime_env: dict | None = None, num_cpus_per_worker: float | None = None,
-                 placement_strategy: str | None = None):
+                 placement_strategy: str | None = None, check_memory: bool = True):
         self.config = _as_config(config)
         self._address = address
         self._use_gpu = use_gpu
@@ -119,6 +125,8 @@ class EPCluster:
         self._num_tokens: list[int] = []
         self.backend: str | None = None
         self._layers_loaded: set[int] = set()
+        self._check_memory = check_memory
+        self._use_gpu_resolved = False  # what start() decided
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "EPCluster":
@@ -145,11 +153,13 @@ class EPCluster:
                                f"{gpus:g} GPUs. Use backend='torch' (CPU workers) or add GPUs")
         env = dict(self._runtime_env)
         env["env_vars"] = {**NO_MULTICAST_ENV, **env.get("env_vars", {})}
+        self._use_gpu_resolved = use_gpu
         num_cpus = self._num_cpus if self._num_cpus is not None else (1.0 if use_gpu else 0.5)
         self._group = EPWorkerGroup(EPWorker, cfg, use_gpu=use_gpu, runtime_env=env, num_cpus_per_worker=num_cpus,
                                     placement_strategy=self._strategy)
         try:
             self._group.start()
+            self.require_memory(cfg, what="the symmetric buffers", symmetric=True)
             addr, port = self._group.execute_single(0, "rendezvous_address")
             self._group.execute("init_torch", cfg, addr, port, call_timeout_s=cfg.init_timeout_s)
             if backend == "nvshmem":
@@ -239,6 +249,9 @@ class EPCluster:
         the given world weights (sharded here: rank r gets routed experts [r * L, (r + 1) * L)
         and every shared expert)."""
         g = self._need_group()
+        if layer not in self._layers_loaded:
+            self.require_memory(self.config, what=f"expert layer {layer}", layers=1,
+                                scratch=not self._layers_loaded)
         if weights is None:
             g.execute("load_experts", seed=seed, layer=layer)
         else:
@@ -251,6 +264,43 @@ class EPCluster:
                     "shared_gate_up_SHF2": w.shared_gate_up, "shared_down_SFH": w.shared_down}})
             g.execute_per_rank("load_experts", [(None,)] * self.world_size, per_rank)
         self._layers_loaded.add(layer)
+
+    def require_memory(self, cfg: EPConfig, *, what: str, symmetric: bool = False, layers: int = 0,
+                       scratch: bool = False, reference: bool = False) -> None:
+        """Raise EPClusterError unless every rank's GPU (or host, for CPU workers) and every
+        host has the free memory that ``cfg``'s plan asks for (:class:`~ray_ep.config.MemoryPlan`):
+        symmetric buffers, ``layers`` expert layers, the expert scratch, and ``reference`` the
+        host copy of the whole world's weights that :meth:`check` builds. A no-op with
+        ``check_memory=False``."""
+        if not self._check_memory:
+            return
+        plan = plan_memory(cfg)
+        need = layers * plan.experts_per_layer + (plan.scratch if scratch else 0)
+        need += plan.symmetric + plan.workspace if symmetric else 0
+        on_gpu = self._use_gpu_resolved
+        device_need = need if on_gpu else 0
+        host_need = (0 if on_gpu else need) + (plan.host_build if on_gpu and layers else 0)
+        host_need += plan.check_reference if reference else 0
+        free = self._need_group().execute("free_memory")
+        short = []
+        for f in free:
+            if f["device"] is not None and device_need > f["device"]:
+                short.append(f"rank {f['rank']} needs {format_bytes(device_need)} on its GPU, "
+                             f"{format_bytes(f['device'])} is free")
+        per_node: dict[str, list[dict]] = {}
+        for f in free:
+            per_node.setdefault(f["node_id"], []).append(f)
+        for ranks in per_node.values():
+            total = host_need * len(ranks)
+            avail = min(f["host"] for f in ranks)
+            if total > avail:
+                short.append(f"ranks {[f['rank'] for f in ranks]} need {format_bytes(total)} of host memory "
+                             f"({format_bytes(host_need)} each), {format_bytes(avail)} is available")
+        if short:
+            raise EPClusterError(
+                f"not enough memory for {what}: " + "; ".join(short) + ". Use a smaller preset or max_tokens_per_rank, "
+                f"fewer ranks per host, or GPUs (`ray-ep plan` shows the plan); check_memory=False "
+                f"(CLI: --no-memory-check) tries anyway")
 
     def call_workers(self, method: str, *args: Any, call_timeout_s: float | None = None, **kwargs: Any) -> list:
         """Advanced: call an :class:`~ray_ep.actors.worker.EPWorker` method on every rank
@@ -377,8 +427,20 @@ class EPCluster:
         and seeded experts from the seeds and checks its own part (nothing large crosses the
         driver); the user's expert layers stay untouched."""
         cfg = self.config
+        g = self._need_group()
         n = cfg.max_tokens_per_rank if num_tokens is None else num_tokens
-        results = self._need_group().execute("check", num_tokens=n, seed=seed, routing=routing, rounds=rounds,
+        counts = [n] * self.world_size if isinstance(n, int) else list(n)
+        if len(counts) != self.world_size or not all(isinstance(c, int) and 0 <= c <= cfg.max_tokens_per_rank
+                                                     for c in counts):
+            raise EPInputError(f"num_tokens must be an int or one int per rank ({self.world_size}), each in "
+                               f"0..max_tokens_per_rank = {cfg.max_tokens_per_rank}, got {num_tokens!r}")
+        if routing not in ROUTINGS:
+            raise EPInputError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+        if rounds < 1:
+            raise EPInputError(f"rounds must be at least 1, got {rounds}")
+        self.require_memory(cfg, what="check (its expert layer and the reference's world weights)", layers=1,
+                            scratch=not self._layers_loaded, reference=True)
+        results = g.execute("check", num_tokens=n, seed=seed, routing=routing, rounds=rounds,
                                              fused=fused, expert_seed=expert_seed)
         self._phase = None
         per_rank = [r["rel"] for r in results]

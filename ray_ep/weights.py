@@ -35,19 +35,24 @@ class ExpertWeights:
 
 
 def init_expert_weights(cfg: EPConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                        experts: range | None = None, device: torch.device | str = "cpu") -> ExpertWeights:
+                        experts: range | None = None, device: torch.device | str = "cpu",
+                        draw_on_device: bool = False) -> ExpertWeights:
     """Seeded random weights, scaled so activations stay O(1) through an expert.
 
     Each expert draws from its own generator (seed, expert id), so a rank can build just its
     slice (``experts=range(rank * L, (rank + 1) * L)``) and match the whole world's weights.
+    The draw runs on the CPU and the result moves to ``device``; ``draw_on_device`` draws on
+    ``device`` instead (seconds instead of minutes for a large layer, for benchmarks), but
+    those values differ from the CPU draw, so nothing can compare them with the reference.
     """
     H, Fi, E, S = cfg.hidden_size, cfg.intermediate_size, cfg.n_experts, cfg.n_shared_experts
     ids = range(E) if experts is None else experts
 
     def one(stream: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed * SEED_STRIDE + stream)
-        gate_up = (torch.randn(H, 2 * Fi, generator=g) / H**0.5).to(dtype).to(device)
-        down = (torch.randn(Fi, H, generator=g) / Fi**0.5).to(dtype).to(device)
+        where = device if draw_on_device else "cpu"
+        g = torch.Generator(device=where).manual_seed(seed * SEED_STRIDE + stream)
+        gate_up = (torch.randn(H, 2 * Fi, generator=g, device=where) / H**0.5).to(dtype).to(device)
+        down = (torch.randn(Fi, H, generator=g, device=where) / Fi**0.5).to(dtype).to(device)
         return gate_up, down
 
     def stack(pairs: list, i: int, shape: tuple[int, ...]) -> torch.Tensor:

@@ -11,7 +11,8 @@ import math
 import pydantic
 import pytest
 
-from ray_ep.config import ALIGN_BYTES, DTYPE_BYTES, PRESETS, BufferPlan, EPConfig, plan_buffers
+from ray_ep.config import (ALIGN_BYTES, DTYPE_BYTES, PRESETS, BufferPlan, EPConfig, describe_config_error,
+                           parse_topology, plan_buffers, plan_memory)
 
 # The smallest valid topology: one rank, 16 experts. Tests override single fields of it.
 BASE = dict(hidden_size=128, n_experts=16, top_k=4, max_tokens_per_rank=32, intermediate_size=64)
@@ -463,3 +464,33 @@ def test_plan_total_deepseek_v3_4_ranks():
     total = plan_buffers(cfg).total_bytes
     assert total == expected
     assert 700 * 2**20 < total < 900 * 2**20  # sanity: ~730 MiB per GPU
+
+
+# ---- memory plan, topology strings, one-line config errors -------------------------------------
+def test_memory_plan_from_its_definition():
+    cfg = EPConfig.preset("qwen3-moe", gpus_per_node=4, n_shared_experts=1)
+    H, Fi, L, E = 4096, 1536, 32, 128
+    plan = plan_memory(cfg)
+    assert plan.experts_per_layer == (L + 1) * (H * 2 * Fi + Fi * H) * 2  # routed + shared, bf16
+    assert plan.scratch == cfg.max_recv_rows * (2 * Fi + Fi + H) * 2  # h [M, 2F], a [M, F], y [M, H]
+    assert plan.symmetric == plan_buffers(cfg).total_bytes
+    assert plan.check_reference >= (E + 1) * 3 * H * Fi * 2
+    assert plan.per_rank(2) == plan.symmetric + plan.scratch + plan.workspace + 2 * plan.experts_per_layer
+
+
+@pytest.mark.parametrize("text, want", [("2x4", (2, 4)), ("1X8", (1, 8))])
+def test_parse_topology(text, want):
+    assert parse_topology(text) == want
+
+
+@pytest.mark.parametrize("text", ["2y4", "x4", "0x2", "2x-1", "2x4x1"])
+def test_parse_topology_rejects(text):
+    with pytest.raises(ValueError, match="topology"):
+        parse_topology(text)
+
+
+def test_config_errors_describe_in_one_line():
+    with pytest.raises(pydantic.ValidationError) as info:
+        EPConfig(hidden_size=-1, n_experts=8, top_k=0, max_tokens_per_rank=4)
+    line = describe_config_error(info.value)
+    assert "\n" not in line and "hidden_size: " in line and "top_k: " in line

@@ -19,7 +19,7 @@ import ray
 import torch
 
 from ray_ep import EPCluster, EPConfig, reference
-from ray_ep.errors import EPInputError, EPStateError, EPWorkerError
+from ray_ep.errors import EPClusterError, EPInputError, EPStateError, EPWorkerError
 from ray_ep.inputs import make_inputs
 from ray_ep.weights import ExpertWeights, init_expert_weights
 from ray_ep.routing import route
@@ -720,3 +720,37 @@ class TestSharedExperts:
         outs = ep_shared.combine()
         assert_close_to_reference(cfg, outs, xs, ids, ws, given)
         assert all(torch.equal(a, b) for a, b in zip(outs, ep_shared.forward(xs, ids, ws, layer=1)))
+
+
+# ---- checked before any worker runs ----------------------------------------------------------
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(num_tokens=33), "0..max_tokens_per_rank = 32"),
+    (dict(num_tokens=[4, 40]), "0..max_tokens_per_rank = 32"),
+    (dict(num_tokens=[4]), "one int per rank (2)"),
+    (dict(num_tokens=-1), "0..max_tokens_per_rank"),
+    (dict(routing="zipf"), "routing must be one of uniform, skewed, one-expert"),
+    (dict(rounds=0), "rounds must be at least 1"),
+])
+def test_check_refuses_bad_arguments_in_the_driver(ep2, kwargs, words):
+    with pytest.raises(EPInputError) as info:
+        ep2.check(**kwargs)
+    assert words in str(info.value)
+    assert_usable(ep2)
+
+
+def test_memory_plan_refuses_experts_that_do_not_fit(ray_session):
+    # one expert of 3 x H x F bf16 = 48 GiB per rank: more than a test machine has free; the
+    # driver refuses before any worker builds it, and the cluster stays usable
+    cfg = EPConfig(hidden_size=128, intermediate_size=64 * 2**20, n_experts=2, top_k=1, max_tokens_per_rank=1,
+                   gpus_per_node=2)
+    ep = EPCluster(cfg).start()
+    try:
+        with pytest.raises(EPClusterError) as info:
+            ep.load_experts(seed=0)
+        msg = str(info.value)
+        assert "not enough memory for expert layer 0" in msg and "GiB" in msg and "--no-memory-check" in msg
+        with pytest.raises(EPClusterError):
+            ep.check(num_tokens=1)
+        assert all(ep.health())
+    finally:
+        ep.shutdown()

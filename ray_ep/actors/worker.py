@@ -47,6 +47,18 @@ class DispatchSummary:
     rows_from_rank: list[int]
 
 
+def host_available_bytes() -> int:
+    """Memory the host can still give (Linux MemAvailable; free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -158,6 +170,12 @@ class EPWorker:
             info["nvshmem4py"] = False
         return info
 
+    def free_memory(self) -> dict:
+        """Bytes free now: on this rank's GPU (None on CPU workers) and on its host
+        (MemAvailable: what the host can give without swapping)."""
+        device = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        return {"rank": self.rank, "node_id": self.ctx.node_id, "device": device, "host": host_available_bytes()}
+
     def init_torch(self, cfg: EPConfig, master_addr: str, master_port: int) -> None:
         """Join the torch.distributed group (collective: every rank at once)."""
         from ..transport.torch_dist import TorchTransport
@@ -207,14 +225,15 @@ class EPWorker:
             g.close()
 
     def load_experts(self, seed: int | None = 0, weights: dict[str, torch.Tensor] | None = None,
-                     layer: int = 0, group: str = "main") -> int:
+                     layer: int = 0, group: str = "main", draw_on_device: bool = False) -> int:
         """Experts of MoE layer ``layer``: seeded random (this rank's slice of the world's), or
         given local tensors (keys of :class:`LocalExperts`, already sharded to this rank).
         Returns the bytes loaded."""
         g = self.group_state(group)
         cfg = g.cfg
         if weights is None:
-            w = init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(cfg), device=self.device)
+            w = init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(cfg), device=self.device,
+                                    draw_on_device=draw_on_device)
             experts = LocalExperts(w.w_gate_up, w.w_down, w.shared_gate_up, w.shared_down)
         else:
             experts = LocalExperts(**{k: v.to(self.device, torch.bfloat16) for k, v in weights.items()})
