@@ -649,7 +649,7 @@ SERVE_EXTRA_MODULES = ("ray.serve", "starlette", "uvicorn", "safetensors")
 # whenever ray.init() starts a new local cluster while RAY_AUTH_MODE is unset (it then turns
 # token auth on, as it does by default). Silenced only around a ray.init() that starts our own
 # local Ray; auth stays on. Setting RAY_AUTH_MODE=token inside the process after `import ray`
-# is not an option: the cached RayConfig still says disabled and the driver cannot reach GCS.
+# is not an option: the driver keeps its cached mode (disabled) and its GCS refuses it.
 _RAY_AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
@@ -794,9 +794,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 def _shutdown(app_name: str, owns_ray: bool) -> None:
     """Delete the app (its replica stops and shuts its EP workers down), then stop a Ray we
     started. Not serve.shutdown() before ray.shutdown(): the controller kills itself while
-    the driver still calls it (graceful_shutdown, the handle's long poll), and the driver's
-    core worker logs "Task ServeController... failed. There are infinite retries remaining"
-    for each; ray.shutdown() takes the controller and the proxy with the rest of our Ray."""
+    the driver still calls it (graceful_shutdown, the handle's long poll, both retried
+    forever), and Ray prints "(raylet) Task ServeController... failed. There are infinite
+    retries remaining" for each; ray.shutdown() takes the controller and the proxy with the
+    rest of our Ray."""
     import ray
     from ray import serve
 
