@@ -11,7 +11,9 @@ head. Requests are batched continuously; greedy generation.
 
 Sizes come from flags (--hidden-size, --n-layers, ...) or --config YAML; weights are seeded
 (--seed) or a safetensors --checkpoint in the layout documented in
-ray_ep.serving.model. See docs/serving.md.
+ray_ep.serving.model. Quiet by default (the ready line, then "shutting down", "stopped");
+--verbose shows Ray's and Serve's INFO lines, --access-log one line per request. Needs the
+serve extra: pip install 'ray-ep[serve]'. See docs/serving.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Serve instance on a free loopback port inside the session's Ray with two applica
 ``moe`` (seeded weights, 2 workers, bf16 combine) for the HTTP tests, and ``moe-ckpt``
 (a checkpoint this module writes, shared experts, fp32 combine, a small EP buffer that forces
 several rounds per step) which is also the one whose worker gets killed, last. Finally the
-command line (examples/serve_moe.py) in a subprocess with its own Ray.
+command line: its logging flags, the missing serve extra, and examples/serve_moe.py in a
+subprocess with its own Ray, its output in a file (what it prints, and what it must not).
 
 Every HTTP answer is compared step by step with ray_ep.serving.model.forward_reference, a
 single-process forward of the same weights (tolerance: ray_ep.serving.model.LOGIT_TOLERANCE; a
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,8 +34,10 @@ from ray_ep.errors import EPInputError
 from ray_ep.serving.model import (LOGIT_TOLERANCE, ModelWeights, MoEModelConfig, checkpoint_shapes,
                                   forward_reference, generate_reference, init_model_weights, load_checkpoint,
                                   moe_layer_reference, pack_sequences, read_checkpoint_config, save_checkpoint)
-from ray_ep.serving.server import (RequestError, ServeOptions, ServerStats, add_arguments, options_from_args,
-                                   percentile, summarize_phases, validate_request)
+from ray_ep.serving import server as serving_server
+from ray_ep.serving.server import (EXIT_USAGE, RequestError, ServeOptions, ServerStats, add_arguments,
+                                   options_from_args, percentile, serve_logging_config, summarize_phases,
+                                   validate_request)
 from ray_ep.inputs import make_inputs
 from ray_ep.weights import init_expert_weights
 
@@ -443,16 +447,107 @@ def test_checkpoint_server_then_a_dead_worker(serve_port, tmp_path_factory):
 
 
 # ---- the command line --------------------------------------------------------------------------
+def test_logging_flags():
+    """Quiet by default: Serve at WARNING, Serve's own access log (which names every request
+    ``POST /``) always off, the replica's access log (which names the route) on request."""
+    import argparse
+
+    parser = add_arguments(argparse.ArgumentParser())
+    quiet = options_from_args(parser.parse_args([]))
+    assert (quiet.log_level, quiet.access_log) == ("WARNING", False)
+    assert serve_logging_config(quiet) == {"log_level": "WARNING", "enable_access_log": False}
+    verbose = options_from_args(parser.parse_args(["--verbose", "--access-log"]))
+    assert (verbose.log_level, verbose.access_log) == ("INFO", True)
+    assert serve_logging_config(verbose) == {"log_level": "INFO", "enable_access_log": False}
+    assert options_from_args(parser.parse_args(["-v", "--log-level", "ERROR"])).log_level == "ERROR"
+
+
+def test_plain_console_without_a_terminal(monkeypatch):
+    class Tty:
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+    monkeypatch.setattr(sys, "stdout", Tty())
+    monkeypatch.setattr(sys, "stderr", Tty())
+    serving_server._plain_console()
+    assert "RAY_COLOR_PREFIX" not in os.environ  # a terminal keeps Ray's colours
+    monkeypatch.setenv("NO_COLOR", "1")
+    serving_server._plain_console()
+    assert os.environ["RAY_COLOR_PREFIX"] == "0"
+    monkeypatch.delenv("NO_COLOR")
+    monkeypatch.delenv("RAY_COLOR_PREFIX")
+    monkeypatch.setattr(sys, "stdout", open(os.devnull, "w"))  # redirected
+    serving_server._plain_console()
+    assert os.environ["RAY_COLOR_PREFIX"] == "0"
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "1")  # the user's choice wins
+    serving_server._plain_console()
+    assert os.environ["RAY_COLOR_PREFIX"] == "1"
+    sys.stdout.close()
+
+
+def test_access_log_names_the_route(monkeypatch, caplog):
+    """The replica's access line: client, method, the route inside the app (prefix removed),
+    status, milliseconds; nothing when access_log is off."""
+    import asyncio
+    import logging
+
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    srv = object.__new__(serving_server.MoEServer)
+
+    async def route(request):
+        return JSONResponse({}, status_code=201)
+
+    srv._route = route
+    scope = {"type": "http", "method": "POST", "path": "/ckpt/v1/generate", "root_path": "/ckpt", "headers": [],
+             "client": ("10.0.0.7", 5000), "query_string": b""}
+    caplog.set_level(logging.INFO, logger="ray_ep.serving.access")
+    srv.options = ServeOptions(model=MODEL)
+    assert asyncio.run(srv(Request(scope))).status_code == 201
+    assert not caplog.records
+    srv.options = ServeOptions(model=MODEL, access_log=True)
+    asyncio.run(srv(Request(scope)))
+    (record,) = caplog.records
+    assert record.getMessage().startswith("10.0.0.7 POST /v1/generate 201 ") and record.getMessage().endswith(" ms")
+
+
+@pytest.mark.parametrize("module", ["starlette", "safetensors", "ray.serve", "uvicorn"])
+def test_missing_serve_extra_is_one_line_before_anything_starts(module, monkeypatch, capsys):
+    """`ray-ep serve` after `pip install -e .` (no serve extra): one line naming the extra,
+    exit status 2, before options are read or Ray starts."""
+    import ray
+
+    from ray_ep.cli import main
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ModuleNotFoundError
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("work started despite the missing extra")
+
+    monkeypatch.setattr(ray, "init", must_not_run)
+    monkeypatch.setattr(serving_server, "options_from_args", must_not_run)
+    assert main(["serve", "--cpu", "--port", str(free_port())]) == EXIT_USAGE == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert f"missing module {module!r}" in err and "pip install 'ray-ep[serve]'" in err
+
+
 def test_serve_moe_example_command_line(tmp_path):
-    """`python examples/serve_moe.py --workers 2 --port P` prints its address once ready,
-    answers, and exits 0 on SIGINT (its own Ray, stopped on the way out)."""
+    """`python examples/serve_moe.py --workers 2 --port P --access-log` with its output in a
+    file: no colour codes, no INFO chatter, no auth notice; a ready line timed from the
+    command's start; access lines naming the route; exits 0 on SIGINT (its own Ray, stopped
+    on the way out) with nothing error-like after "shutting down"."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("RAY_ADDRESS", None)
+    for name in ("RAY_ADDRESS", "RAY_COLOR_PREFIX", "RAY_AUTH_MODE", "NO_COLOR"):
+        env.pop(name, None)
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "examples/serve_moe.py", "--workers", "2", "--port", str(port),
-                                 "--cpu", "--max-seq-len", "48", "--log-level", "WARNING"], cwd=REPO, env=env, stdout=log,
+                                 "--cpu", "--max-seq-len", "48", "--access-log"], cwd=REPO, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -461,12 +556,18 @@ def test_serve_moe_example_command_line(tmp_path):
             assert time.monotonic() < deadline, f"not ready in time:\n{log_path.read_text()[-3000:]}"
             time.sleep(0.5)
         line = next(ln for ln in log_path.read_text().splitlines() if "ray-ep serve: ready at" in ln)
-        assert f"http://127.0.0.1:{port}" in line and "2 workers" in line
+        assert f"http://127.0.0.1:{port}" in line and "2 workers" in line and "Ray start" in line
+        if sys.platform.startswith("linux"):
+            assert "s after the command started" in line
         r = post(f"http://127.0.0.1:{port}", {"prompt_ids": [1, 2, 3], "max_new_tokens": 4})
         assert r.status_code == 200
         oracle = Oracle(init_model_weights(MODEL, seed=0), world_size=2, combine_dtype="bf16")
         oracle.check([1, 2, 3], r.json()["output_ids"], r.json()["top_logits"])
         assert requests.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+        deadline = time.monotonic() + 60  # Ray forwards the replica's lines asynchronously
+        while "GET /health 200" not in log_path.read_text():
+            assert time.monotonic() < deadline, f"no access line:\n{log_path.read_text()[-3000:]}"
+            time.sleep(0.5)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -474,7 +575,15 @@ def test_serve_moe_example_command_line(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-    assert rc == 0, log_path.read_text()[-3000:]
+    text = log_path.read_text()
+    assert rc == 0, text[-3000:]
+    assert "\x1b[" not in text, "ANSI codes in a redirected log"
+    assert not re.search(r"\bINFO\b", text), text[-3000:]  # Ray's and Serve's start-up chatter
+    assert "Token authentication" not in text
+    assert "127.0.0.1 POST /v1/generate 200 " in text and " POST / " not in text
+    after = text.split("ray-ep serve: shutting down", 1)[1]
+    assert not any(w in after for w in ("failed", "Error", "Traceback", "WARNING")), after
+    assert text.rstrip().endswith("ray-ep serve: stopped")
 
 
 def test_command_line_refuses_a_bad_config(tmp_path):

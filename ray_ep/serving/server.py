@@ -50,6 +50,7 @@ from .model import (EPModel, MoEModelConfig, check_checkpoint, init_model_weight
                     read_checkpoint_config)
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("ray_ep.serving.access")  # the replica's own access log (--access-log)
 
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413)
 LATENCY_WINDOW = 10_000  # requests kept for the latency percentiles
@@ -98,8 +99,11 @@ class ServeOptions(BaseModel):
     """CPU slots reserved by the replica (it mostly waits on the workers)."""
     max_ongoing_requests: int = Field(default=1024, gt=0)
     """Requests the replica accepts at once (they queue in the batcher)."""
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    """Serve's log level for the app (INFO logs every request)."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    """Log level of Serve's controller, proxy and replica (INFO: their start-up chatter).
+    Serve's own access log stays off: it names every request ``POST /`` (see access_log)."""
+    access_log: bool = False
+    """One line per HTTP request from the replica, naming the route: ``POST /v1/generate 200 12.3 ms``."""
 
     @model_validator(mode="after")
     def _check(self) -> "ServeOptions":
@@ -363,6 +367,8 @@ class MoEServer:
         self._lock = threading.Lock()  # one driver call at a time (steps are collective)
         self.stats = ServerStats()
         self.batcher = ContinuousBatcher(self._step, options.max_batch_size, options.batch_wait_ms / 1000, self.stats)
+        if options.access_log:
+            _enable_access_log()
         log.info("ray_ep.serving.server: %d workers (%s), model %s", self.cluster.world_size,
                  self.cluster.backend, cfg.model_dump())
 
@@ -387,13 +393,28 @@ class MoEServer:
 
     # -- HTTP --
     async def __call__(self, request):
-        from starlette.responses import JSONResponse
+        if not self.options.access_log:
+            return await self._route(request)
+        t0 = time.perf_counter()
+        response = await self._route(request)
+        client = request.client.host if request.client else "-"
+        access_log.info("%s %s %s %d %.1f ms", client, request.method, self._path(request), response.status_code,
+                        (time.perf_counter() - t0) * 1e3)
+        return response
 
+    @staticmethod
+    def _path(request) -> str:
+        """The route inside the app (the request's path less the app's route prefix)."""
         path = request.scope.get("path", "/")
         root = request.scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
-        path = "/" + path.strip("/")
+        return "/" + path.strip("/")
+
+    async def _route(self, request):
+        from starlette.responses import JSONResponse
+
+        path = self._path(request)
         routes = {"/v1/generate": ("POST", self._generate), "/health": ("GET", self._health),
                   "/stats": ("GET", self._stats)}
         if path not in routes:
@@ -466,6 +487,18 @@ class MoEServer:
                 log.warning("ray_ep.serving.server: shutdown: %s", e)
 
 
+def _enable_access_log() -> None:
+    """Send :data:`access_log` to the replica's stderr, which Ray forwards to the driver's
+    console (prefixed ``(ServeReplica:APP:MoEServer pid=N)``); once per process."""
+    if not any(getattr(h, "_ray_ep_access", False) for h in access_log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._ray_ep_access = True  # type: ignore[attr-defined]
+        access_log.addHandler(handler)
+    access_log.setLevel(logging.INFO)
+    access_log.propagate = False
+
+
 def build_app(options: ServeOptions):
     """The Serve application (one replica of :class:`MoEServer`); run it with ``serve.run``."""
     from ray import serve
@@ -505,7 +538,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="EP buffer per rank (default max_seq_len * ceil(max_batch_size / workers))")
     g.add_argument("--no-profile", action="store_true", help="no per-phase timing in /stats (saves a GPU sync per phase)")
     g.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="Serve log level of the app (default INFO: one line per request)")
+                   help="log level of Ray and Serve (controller, proxy, replica) and of this command "
+                        "(default WARNING)")
+    g.add_argument("-v", "--verbose", action="store_true",
+                   help="Ray's and Serve's INFO lines: start-up, deployment, shutdown (= --log-level INFO)")
+    g.add_argument("--access-log", action="store_true",
+                   help="one line per HTTP request from the replica: client, method, route, status, time")
     m = parser.add_argument_group("model")
     m.add_argument("--checkpoint", metavar="SAFETENSORS",
                    help="weights in the layout of ray_ep.serving.model (default: seeded)")
@@ -554,6 +592,10 @@ def options_from_args(args: argparse.Namespace, gpus: int | None = None) -> Serv
         data["use_gpu"] = False
     if getattr(args, "no_profile", False):
         data["profile"] = False
+    if getattr(args, "verbose", False) and getattr(args, "log_level", None) is None:
+        data["log_level"] = "INFO"
+    if getattr(args, "access_log", False):
+        data["access_log"] = True
     if "workers" not in data:
         data["workers"] = gpus if gpus and data.get("use_gpu") is not False else 2
     data["model"], data["ep"] = model, ep
@@ -573,24 +615,104 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
+def serve_logging_config(options: ServeOptions) -> dict:
+    """Serve's LoggingConfig of the controller, the proxy and the replica: ``log_level``, and
+    Serve's access log off (it names every request of this app ``POST /``, the route prefix;
+    ``options.access_log`` turns on the replica's own, which names the route)."""
+    return {"log_level": options.log_level, "enable_access_log": False}
+
+
 def start_server(options: ServeOptions):
     """Start Serve's HTTP proxy on options.host:port in the connected Ray (a running Serve
-    keeps its own proxy) and deploy the app; returns its DeploymentHandle once the replica is
-    up (workers started, model loaded). Raises if the replica cannot start."""
+    keeps its own proxy and logging) and deploy the app; returns its DeploymentHandle once the
+    replica is up (workers started, model loaded). Raises if the replica cannot start."""
     from ray import serve
 
-    serve.start(http_options={"host": options.host, "port": options.port})
+    logging_config = serve_logging_config(options)
+    serve.start(http_options={"host": options.host, "port": options.port}, logging_config=logging_config)
     return serve.run(build_app(options), name=options.app_name, route_prefix=options.route_prefix, blocking=False,
-                     logging_config={"log_level": options.log_level})
+                     logging_config=logging_config)
 
 
 DESCRIPTION = ("Serve a small MoE transformer whose MoE layers run expert-parallel on ray_ep workers "
                "(Ray Serve, JSON over HTTP).")
 
+# Exit statuses of ``ray-ep serve`` (docs/serving.md)
+EXIT_OK = 0  # stopped by SIGINT / SIGTERM after serving
+EXIT_START_FAILED = 1  # Ray, Serve or the replica (workers, model) failed to start
+EXIT_USAGE = 2  # refused before anything started: a missing package, a bad flag or config, a taken port
+
+SERVE_EXTRA_MODULES = ("ray.serve", "starlette", "uvicorn", "safetensors")
+"""What ``pip install 'ray-ep[serve]'`` (ray[serve], safetensors) brings and the server imports."""
+
+# Ray 2.60 logs "Token authentication is enabled for this Ray cluster..." at WARNING from here
+# whenever ray.init() starts a new local cluster while RAY_AUTH_MODE is unset (it then turns
+# token auth on, as it does by default). Silenced only around a ray.init() that starts our own
+# local Ray; auth stays on. Setting RAY_AUTH_MODE=token inside the process after `import ray`
+# is not an option: the driver keeps its cached mode (disabled) and its GCS refuses it.
+_RAY_AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def missing_serve_module() -> str | None:
+    """The first module of the serve extra that cannot be imported, or None when all import:
+    the missing package (``starlette`` for ``starlette.types``), else the module asked for."""
+    import importlib
+
+    for name in SERVE_EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            missing = getattr(e, "name", None) or name
+            return missing if missing.startswith("ray.") else missing.split(".")[0]
+    return None
+
+
+def _command_started() -> tuple[float, str]:
+    """(time.perf_counter() at the start of this process, its label); from /proc on Linux,
+    else the import of this module (after Python and torch started)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        age = float(Path("/proc/uptime").read_text().split()[0]) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        if 0 <= age < 24 * 3600:
+            return time.perf_counter() - age, "after the command started"
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    return _IMPORTED, "after ray_ep.serving.server was imported"
+
+
+_IMPORTED = time.perf_counter()
+
+
+def _plain_console() -> None:
+    """No ANSI colours in Ray's "(Actor pid=N)" prefixes when the output is not a terminal
+    (a log file, a pipe) or NO_COLOR is set; an explicit RAY_COLOR_PREFIX wins. Ray reads the
+    variable in the driver for every forwarded line."""
+    tty = all(getattr(f, "isatty", lambda: False)() for f in (sys.stdout, sys.stderr))
+    if not tty or os.environ.get("NO_COLOR"):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
+def _init_ray(address: str | None, num_cpus: int, level: int) -> bool:
+    """Connect to ``address`` or start a local Ray; True when it started one (ours to stop)."""
+    import ray
+
+    if address:
+        ray.init(address=address, logging_level=level)
+        return False
+    notice = logging.getLogger(_RAY_AUTH_NOTICE_LOGGER)
+    previous = notice.level
+    if level >= logging.WARNING and "RAY_AUTH_MODE" not in os.environ:
+        notice.setLevel(logging.ERROR)
+    try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=level)
+    finally:
+        notice.setLevel(previous)
+    return True
+
 
 def main(argv: list[str] | None = None) -> int:
     """``ray-ep serve``: start the server, print its address once ready, serve until SIGINT or
-    SIGTERM. Returns the exit status."""
+    SIGTERM. Returns the exit status (EXIT_OK, EXIT_START_FAILED, EXIT_USAGE)."""
     parser = argparse.ArgumentParser(prog="ray-ep serve", description=DESCRIPTION)
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))
@@ -599,29 +721,35 @@ def main(argv: list[str] | None = None) -> int:
 def run_from_args(args: argparse.Namespace) -> int:
     """:func:`main` after parsing: for a CLI whose ``serve`` subparser took
     :func:`add_arguments`."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    t_command, since = _command_started()
+    missing = missing_serve_module()
+    if missing:  # before anything starts
+        print(f"ray-ep serve: needs the serve extra (ray[serve], safetensors), missing module {missing!r}: "
+              f"pip install 'ray-ep[serve]' (in a clone: pip install -e '.[serve]')", file=sys.stderr)
+        return EXIT_USAGE
     try:
         options = options_from_args(args)  # validated before Ray starts; workers resolved below
     except (ValueError, OSError, ValidationError) as e:
         print(f"ray-ep serve: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if not _port_free(options.host, options.port):
         print(f"ray-ep serve: {options.host}:{options.port} is in use; pick another --port", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
     import ray
-    from ray import serve
+
+    level = getattr(logging, options.log_level)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ray.serve").setLevel(level)  # the driver's Serve lines ("Started Serve", "is ready at")
+    _plain_console()
 
     owns_ray = False
+    t_ray = time.perf_counter()
     if not ray.is_initialized():
         address = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address, logging_level="WARNING")
-        else:
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, options.workers + 1),
-                     include_dashboard=False, logging_level="WARNING")
-            owns_ray = True
+        owns_ray = _init_ray(address, max(os.cpu_count() or 1, options.workers + 1), level)
+    t_ray = time.perf_counter() - t_ray
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if getattr(args, "workers", None) is None and gpus and not getattr(args, "cpu", False) \
             and "workers" not in _yaml_keys(args):
@@ -633,34 +761,54 @@ def run_from_args(args: argparse.Namespace) -> int:
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     except ValueError:  # not the main thread: Ctrl-C still raises KeyboardInterrupt
         pass
+    status = EXIT_OK
     try:
-        t0 = time.perf_counter()
+        t_serve = time.perf_counter()
         handle = start_server(options)
         info = handle.info.remote().result()
+        now = time.perf_counter()
         url = f"http://{options.host}:{options.port}{options.route_prefix.rstrip('/')}"
-        print(f"ray-ep serve: ready at {url} ({info['workers']} workers, backend {info['backend']}, "
-              f"{time.perf_counter() - t0:.1f} s) - POST {url}/v1/generate, GET {url}/health, GET {url}/stats",
-              flush=True)
+        print(f"ray-ep serve: ready at {url} ({info['workers']} workers, backend {info['backend']}), "
+              f"{now - t_command:.1f} s {since} (Ray {'start' if owns_ray else 'connect'} {t_ray:.1f} s; "
+              f"Serve, workers and model {now - t_serve:.1f} s); routes: POST /v1/generate, GET /health, "
+              f"GET /stats", flush=True)
         while not stop.wait(0.5):
             pass
     except KeyboardInterrupt:
         pass
     except Exception as e:  # noqa: BLE001 - a failed start: say why, exit non-zero
         print(f"ray-ep serve: could not start: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        status = EXIT_START_FAILED
     finally:
         print("ray-ep serve: shutting down", flush=True)
         try:
-            if owns_ray:
-                serve.shutdown()
-            else:
-                serve.delete(options.app_name)
+            _shutdown(options.app_name, owns_ray)
         finally:
-            if owns_ray:
-                ray.shutdown()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-    return 0
+    if status == EXIT_OK:
+        print("ray-ep serve: stopped", flush=True)
+    return status
+
+
+def _shutdown(app_name: str, owns_ray: bool) -> None:
+    """Delete the app (its replica stops and shuts its EP workers down), then stop a Ray we
+    started. Not serve.shutdown() before ray.shutdown(): the controller kills itself while
+    the driver still calls it (graceful_shutdown, the handle's long poll, both retried
+    forever), and Ray prints "(raylet) Task ServeController... failed. There are infinite
+    retries remaining" for each; ray.shutdown() takes the controller and the proxy with the
+    rest of our Ray."""
+    import ray
+    from ray import serve
+
+    try:
+        serve.delete(app_name)
+    except Exception as e:  # noqa: BLE001 - nothing deployed (a failed start) or Serve gone
+        if not owns_ray:
+            print(f"ray-ep serve: could not delete the app {app_name!r}: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        if owns_ray:
+            ray.shutdown()
 
 
 def _yaml_keys(args: argparse.Namespace) -> set[str]:
