@@ -4,7 +4,7 @@
     ray-ep check --preset tiny --world 4             layers on the cluster vs the reference
     ray-ep info                                      devices, versions, backends available
     ray-ep bench --preset deepseek-v3-prefill        benchmark table (see ray_ep.bench)
-    ray-ep serve --workers 2 --port 8000             the example MoE server (see ray_ep.serve)
+    ray-ep serve --workers 2 --port 8000             the example MoE server (see ray_ep.serving)
 """
 
 from __future__ import annotations

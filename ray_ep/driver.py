@@ -31,6 +31,7 @@ from .actors.worker import DispatchSummary, EPWorker
 from .config import EPConfig, format_bytes, plan_buffers, plan_memory
 from .errors import EPClusterError, EPInputError, EPStateError
 from .inputs import ROUTINGS
+from .local_cluster import start_local_ray
 from .routing import route
 from .transport.nvshmem import NO_MULTICAST_ENV
 from .validation import validate_moe_inputs, validate_per_rank, validate_router_logits
@@ -137,11 +138,11 @@ class EPCluster:
         if not ray.is_initialized() and self._address is None and cfg.n_nodes > 1:
             self._start_local_cluster()
         elif not ray.is_initialized():
-            kwargs: dict[str, Any] = {"address": self._address or "local"}
             if self._address is None:
-                # a fresh local Ray; logical CPU slots for every worker even on a 2-core laptop
-                kwargs.update(num_cpus=max(os.cpu_count() or 1, cfg.world_size), include_dashboard=False)
-            ray.init(**kwargs)
+                # a fresh local Ray, quiet; logical CPU slots for every worker even on a 2-core laptop
+                start_local_ray(max(os.cpu_count() or 1, cfg.world_size))
+            else:
+                ray.init(address=self._address)
             self._owns_ray = True
         gpus = ray.cluster_resources().get("GPU", 0)
         use_gpu = self._use_gpu if self._use_gpu is not None else gpus >= cfg.world_size

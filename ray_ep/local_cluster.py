@@ -16,6 +16,28 @@ import os
 
 log = logging.getLogger(__name__)
 
+# Ray 2.60 logs "Token authentication is enabled for this Ray cluster..." at WARNING from here
+# whenever ray.init() starts a new local cluster while RAY_AUTH_MODE is unset (it then turns
+# token auth on, as it does by default). Silenced only around a ray.init() that starts our own
+# local Ray; auth stays on. Setting RAY_AUTH_MODE=token inside the process after `import ray`
+# is not an option: the driver keeps its cached mode and its GCS refuses it.
+_RAY_AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def start_local_ray(num_cpus: int, logging_level: int = logging.WARNING) -> None:
+    """``ray.init`` of a fresh single-node Ray on this host, quiet: Ray's own INFO lines and
+    its auth notice only at ``logging_level`` INFO (token auth itself stays on)."""
+    import ray
+
+    notice = logging.getLogger(_RAY_AUTH_NOTICE_LOGGER)
+    previous = notice.level
+    if logging_level >= logging.WARNING and "RAY_AUTH_MODE" not in os.environ:
+        notice.setLevel(logging.ERROR)
+    try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging_level)
+    finally:
+        notice.setLevel(previous)
+
 
 def gpu_split(n_nodes: int, gpus_per_node: int, visible: str | None) -> list[str]:
     """``CUDA_VISIBLE_DEVICES`` of each emulated node: consecutive slices of the visible GPUs.

@@ -46,6 +46,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from ..errors import EPError, EPInputError
+from ..local_cluster import start_local_ray
 from .model import (EPModel, MoEModelConfig, check_checkpoint, init_model_weights, load_checkpoint,
                     read_checkpoint_config)
 
@@ -645,14 +646,6 @@ EXIT_USAGE = 2  # refused before anything started: a missing package, a bad flag
 SERVE_EXTRA_MODULES = ("ray.serve", "starlette", "uvicorn", "safetensors")
 """What ``pip install 'ray-ep[serve]'`` (ray[serve], safetensors) brings and the server imports."""
 
-# Ray 2.60 logs "Token authentication is enabled for this Ray cluster..." at WARNING from here
-# whenever ray.init() starts a new local cluster while RAY_AUTH_MODE is unset (it then turns
-# token auth on, as it does by default). Silenced only around a ray.init() that starts our own
-# local Ray; auth stays on. Setting RAY_AUTH_MODE=token inside the process after `import ray`
-# is not an option: the driver keeps its cached mode (disabled) and its GCS refuses it.
-_RAY_AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
-
-
 def missing_serve_module() -> str | None:
     """The first module of the serve extra that cannot be imported, or None when all import:
     the missing package (``starlette`` for ``starlette.types``), else the module asked for."""
@@ -699,14 +692,7 @@ def _init_ray(address: str | None, num_cpus: int, level: int) -> bool:
     if address:
         ray.init(address=address, logging_level=level)
         return False
-    notice = logging.getLogger(_RAY_AUTH_NOTICE_LOGGER)
-    previous = notice.level
-    if level >= logging.WARNING and "RAY_AUTH_MODE" not in os.environ:
-        notice.setLevel(logging.ERROR)
-    try:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=level)
-    finally:
-        notice.setLevel(previous)
+    start_local_ray(num_cpus, logging_level=level)
     return True
 
 
