@@ -1,6 +1,8 @@
 """examples/ray_job.py as a real Ray job: submitted through the Jobs SDK to a local Ray with
 its dashboard (the job server), it starts the EP group, checks it, benchmarks it and writes
-its artifacts.
+its artifacts, without matplotlib unless --plot asks for the plot. Every failure has its own
+exit status (0 ok, 1 check failed, 2 bad arguments or config, 3 missing optional package,
+4 cluster or worker error, 5 unexpected error), which Ray's job status reports.
 
 The job needs a Ray of its own (the session's Ray runs without a dashboard): a running Ray is
 shut down first and this module's is shut down at its end; conftest's module fixture brings
@@ -46,6 +48,30 @@ def test_job_configs_validate(job_main, capsys, config, ranks):
     assert ranks in capsys.readouterr().out
 
 
+def test_job_help_lists_the_exit_statuses(job_main, capsys):
+    with pytest.raises(SystemExit) as exc:
+        job_main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for line in ("0  the check passed", "1  the check failed", "2  bad arguments or config",
+                 "3  an optional package is missing", "4  cluster or worker error", "5  unexpected error"):
+        assert line in out
+
+
+def test_job_bad_arguments_exit_2(job_main, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:  # argparse: usage line, "error: ...", status 2
+        job_main(["--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "the following arguments are required: --config" in capsys.readouterr().err
+    assert job_main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read --config" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert job_main(["--config", str(REPO / "configs/job-1node.yaml"), "--out", str(blocker / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot create --out" in err and len(err.strip().splitlines()) == 1
+
+
 def test_job_config_errors_name_the_field(job_main, capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("ep: {preset: tiny, gpus_per_node: 3}\n")  # 16 experts over 3 ranks
@@ -56,6 +82,41 @@ def test_job_config_errors_name_the_field(job_main, capsys, tmp_path):
     assert "iterations" in capsys.readouterr().err
     assert job_main(["--config", str(REPO / "configs/job-2nodes.yaml"), "--gpus-per-node", "4", "--dry-run"]) == 0
     assert "2 node(s) x 4 rank(s)" in capsys.readouterr().out
+    # every wrong field in one line, before anything starts
+    bad.write_text("ep: {preset: tiny}\ncheck: {routing: zipf, tolerance: 0}\nbench: {presets: [huge]}\n")
+    assert job_main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("ray_job: bad config")
+    assert "check.routing" in err and "check.tolerance" in err and "bench.presets" in err
+    for text in ("ep: [1\n", "- 1\n", "ep: {preset: tinyy}\n"):  # not YAML, not a mapping, unknown preset
+        bad.write_text(text)
+        assert job_main(["--config", str(bad)]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_job_missing_matplotlib_exit_3_before_any_work(job_main, capsys, monkeypatch, tmp_path):
+    """--plot without matplotlib: one line naming the extra, status 3, nothing started or
+    written (the job used to die on it after the whole benchmark, with status 1)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    out = tmp_path / "artifacts"
+    config = str(REPO / "configs/job-1node.yaml")
+    ray_was_up = ray.is_initialized()
+    assert job_main(["--config", config, "--out", str(out), "--plot"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'ray-ep[plot]'" in err
+    assert not out.exists() and ray.is_initialized() == ray_was_up
+    assert job_main(["--config", config, "--plot", "--dry-run"]) == 3
+    assert job_main(["--config", config, "--dry-run"]) == 0  # no --plot: no matplotlib needed
+
+
+def test_job_unexpected_error_exit_5(job_main, capsys, monkeypatch):
+    def boom(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setitem(job_main.__globals__, "check_optional_dependencies", boom)
+    assert job_main(["--config", str(REPO / "configs/job-1node.yaml")]) == 5
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1] == "ray_job: unexpected error (a bug): RuntimeError: a bug"
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +141,15 @@ def job_cluster():
         cluster.shutdown()
 
 
-def run_job(dashboard_url: str | None, gcs_address: str, entrypoint: str) -> str:
-    """Submit through the Jobs SDK (or, without a dashboard, run as a driver); the logs."""
+def run_job(dashboard_url: str | None, gcs_address: str, entrypoint: str, exit_status: int = 0) -> str:
+    """Submit through the Jobs SDK (or, without a dashboard, run as a driver), expect the
+    entrypoint's ``exit_status``; the logs."""
     if dashboard_url is None:
         env = {**os.environ, "RAY_ADDRESS": gcs_address,
                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         out = subprocess.run(entrypoint, shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        return out.stdout
+        assert out.returncode == exit_status, out.stdout[-3000:] + out.stderr[-3000:]
+        return out.stdout + out.stderr
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     client = JobSubmissionClient(dashboard_url)
@@ -97,14 +159,25 @@ def run_job(dashboard_url: str | None, gcs_address: str, entrypoint: str) -> str
         assert time.monotonic() < deadline, f"job still {status} after 420 s:\n{client.get_job_logs(job_id)[-3000:]}"
         time.sleep(1)
     logs = client.get_job_logs(job_id)
-    assert status == JobStatus.SUCCEEDED, logs[-4000:]
+    if exit_status == 0:
+        assert status == JobStatus.SUCCEEDED, logs[-4000:]
+    else:  # Ray reports the entrypoint's status in the job's message
+        info = client.get_job_info(job_id)
+        assert status == JobStatus.FAILED and f"failed with exit code {exit_status}," in info.message, \
+            f"{status}: {info.message}"[:4000]
     return logs
 
 
 def test_ray_job_submit_produces_artifacts(job_cluster, tmp_path):
+    """The documented job on a cluster without matplotlib (a package that cannot be imported
+    is put first on the job's PYTHONPATH): it needs only ray_ep's dependencies."""
     out = tmp_path / "artifacts"
+    blocker = tmp_path / "no-matplotlib" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n")
     # sys.executable: the job's shell would otherwise find whatever `python` comes first on PATH
-    logs = run_job(*job_cluster, f"{sys.executable} examples/ray_job.py --config configs/job-1node.yaml --out {out}")
+    logs = run_job(*job_cluster, f"sh -c 'PYTHONPATH={blocker.parent}:$PYTHONPATH exec {sys.executable} "
+                                 f"examples/ray_job.py --config configs/job-1node.yaml --out {out}'")
 
     assert "PASS" in logs and "nccl-pipeline" in logs  # the check table, then the bench table
     check = json.loads((out / "ray_ep_check.json").read_text())
@@ -114,6 +187,44 @@ def test_ray_job_submit_produces_artifacts(job_cluster, tmp_path):
     assert bench["meta"]["world_size"] == 2
     assert {(r["op"], r["tokens"]) for r in bench["rows"]} >= {("dispatch", 8), ("combine", 32)}
     assert all(r["median_us"] > 0 for r in bench["rows"])
+    assert not (out / "ray_ep_bench.png").exists()  # no --plot
+    print(logs)
+
+
+def test_ray_job_submit_reports_the_exit_status(job_cluster):
+    """A failed job's status message carries the entrypoint's own status (here 2: a bad
+    config), and its logs end with the one-line reason."""
+    logs = run_job(*job_cluster, f"{sys.executable} examples/ray_job.py --config configs/job-1node.yaml --nodes 0",
+                   exit_status=2)
+    assert logs.strip().splitlines()[-1].startswith("ray_job: bad config configs/job-1node.yaml: ep: n_nodes")
+
+
+def test_job_plot_and_check_failure_and_cluster_error(job_main, job_cluster, capsys, tmp_path):
+    """In this process, on the job cluster's Ray: --plot writes the PNG; a check above the
+    config's tolerance exits 1 without the benchmark; a cluster that cannot host the config
+    exits 4."""
+    pytest.importorskip("matplotlib")
+    config = tmp_path / "job.yaml"
+    config.write_text("ep: {preset: tiny, gpus_per_node: 2, max_tokens_per_rank: 8}\n"
+                      "check: {num_tokens: 8, rounds: 1}\n"
+                      "bench: {presets: [tiny], tokens: [8], iters: 2, warmup: 0}\n")
+    out = tmp_path / "plot"
+    assert job_main(["--config", str(config), "--out", str(out), "--plot"]) == 0
     png = (out / "ray_ep_bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    print(logs)
+    capsys.readouterr()
+
+    config.write_text("ep: {preset: tiny, gpus_per_node: 2, max_tokens_per_rank: 8}\n"
+                      "check: {num_tokens: 8, rounds: 1, tolerance: 1.0e-9}\n")
+    out = tmp_path / "strict"
+    assert job_main(["--config", str(config), "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "FAIL" in captured.out and "benchmark:" not in captured.out
+    assert captured.err.strip().splitlines()[-1].startswith("ray_job: check failed: max rel error")
+    check = json.loads((out / "ray_ep_check.json").read_text())
+    assert not check["passed"] and check["tolerance"] == 1e-9
+    assert not (out / "ray_ep_bench.json").exists()
+
+    config.write_text("ep: {preset: tiny, gpus_per_node: 2, backend: nvshmem}\n")  # no GPUs here
+    assert job_main(["--config", str(config), "--out", str(tmp_path / "nv")]) == 4
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("ray_job: cluster error: EPStateError")
