@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from ray_ep import bench, cli
 from ray_ep.bench import runner
 from ray_ep.config import EPConfig, plan_buffers
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def test_plan_prints_bytes_per_gpu(capsys):
@@ -85,3 +88,25 @@ def test_aggregate_takes_the_slowest_rank():
 def test_unknown_bench_preset_is_refused():
     with pytest.raises(ValueError, match="unknown benchmark preset"):
         bench.run_bench(None, presets=["nope"])  # checked before the cluster is touched
+
+
+def _row(**kw) -> bench.BenchRow:
+    base = dict(preset="tiny", backend="gloo-pipeline", op="dispatch", dtype="bf16", routing="uniform", tokens=8,
+                world_size=2, sms="-", median_us=100.0, p10_us=90.0, p90_us=120.0, per_rank_median_us=[90.0, 100.0],
+                remote_gbps=0.5, received_gbps=0.8, check_error=1e-3, topology="1x2")
+    return bench.BenchRow(**{**base, **kw})
+
+
+def test_json_round_trip_and_plots(tmp_path):
+    res = bench.BenchResult(rows=[_row(), _row(op="combine", median_us=80.0), _row(tokens=32, median_us=300.0)],
+                            meta={"device": "cpu", "world_size": 2, "commit": "abc"})
+    res.to_json(str(tmp_path / "r.json"))
+    back = bench.BenchResult.from_json(str(tmp_path / "r.json"))
+    assert back.rows == res.rows and back.meta == res.meta
+    back.plot(str(tmp_path / "sweep.png"))  # two token counts: lines
+    # a published GPU run: one token count per preset (bars), all_to_all and peer-copy references
+    gpu = bench.BenchResult.from_json(str(DOCS / "bench-4xh200-v4.json"))
+    assert len(gpu.rows) == 19 and gpu.meta["device"] == "NVIDIA H200"
+    assert {r.op for r in gpu.rows} == {"dispatch", "combine", "all_to_all", "peer_copy"}
+    gpu.plot(str(tmp_path / "gpu.png"))
+    assert (tmp_path / "sweep.png").stat().st_size > 1000 and (tmp_path / "gpu.png").stat().st_size > 1000

@@ -16,7 +16,7 @@ import os
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Sequence
 
 from tqdm import tqdm
@@ -83,34 +83,166 @@ class BenchResult:
         with open(path, "w") as f:
             json.dump({"meta": self.meta, "rows": [asdict(r) for r in self.rows]}, f, indent=1)
 
+    @classmethod
+    def from_json(cls, path: str) -> "BenchResult":
+        """Read a file written by :meth:`to_json` (e.g. to plot or print a past run again)."""
+        with open(path) as f:
+            data = json.load(f)
+        names = {f.name for f in fields(BenchRow)}
+        rows = [BenchRow(**{k: v for k, v in r.items() if k in names}) for r in data.get("rows", [])]
+        return cls(rows=rows, meta=data.get("meta", {}))
+
     def plot(self, path: str) -> None:
-        """Time and remote bandwidth against tokens per rank, one line per (backend, op, dtype)."""
-        import matplotlib
+        """One column per operation (dispatch, combine, layer): time per call above, remote GB/s
+        per rank below. A single token count per preset gives grouped bars (one group per
+        preset, one bar per backend and dtype); a sweep (--tokens) gives lines over tokens per
+        rank. The raw all_to_all appears as a reference beside dispatch and combine, the
+        copy-engine peer copy as a horizontal line (the link's ceiling) in the GB/s panels."""
+        _plot(self, path)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
-        series: dict[tuple, list[BenchRow]] = {}
-        for r in self.rows:
-            series.setdefault((r.preset, r.backend, r.op, r.dtype, r.routing), []).append(r)
-        for key, rows in series.items():
-            rows = sorted(rows, key=lambda r: r.tokens)
-            label = " ".join(str(k) for k in key)
-            xs = [r.tokens for r in rows]
-            ax_t.plot(xs, [r.median_us for r in rows], marker="o", label=label)
-            ax_b.plot(xs, [r.remote_gbps for r in rows], marker="o", label=label)
-        for ax, ylabel in ((ax_t, "time per call, us (slowest rank's median)"), (ax_b, "remote GB/s per rank")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("tokens per rank")
+# ---- plot ------------------------------------------------------------------------------------
+PLOT_OPS = ("dispatch", "combine", "layer")
+# backend label -> (colours, one per dispatch dtype, marker, legend text)
+_STYLE: dict[str, tuple[list[str], str, str]] = {
+    "ray_ep": (["#1f77b4", "#7fb8e0", "#08306b", "#4a90c9"], "o", "ray_ep"),
+    "nccl-pipeline": (["#e6550d", "#fdae6b", "#a63603", "#f5894a"], "s", "NCCL pipeline"),
+    "gloo-pipeline": (["#e6550d", "#fdae6b", "#a63603", "#f5894a"], "s", "gloo pipeline"),
+    "nccl-a2a-equal": (["#7f7f7f"], "^", "raw NCCL all_to_all_single (bf16, equal splits)"),
+}
+_OTHER = (["#2ca02c", "#98df8a", "#9467bd", "#c5b0d5"], "D", "")
+
+
+def _plot(res: BenchResult, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res.rows
+    ops = [op for op in PLOT_OPS if any(r.op == op for r in rows)]
+    if not ops:
+        raise ValueError("nothing to plot: no dispatch, combine or layer rows")
+    main = [r for r in rows if r.op in ops]
+    a2a = [r for r in rows if r.op == "all_to_all"]
+    peer = [r for r in rows if r.op == "peer_copy"]
+    presets = list(dict.fromkeys(r.preset for r in main))
+    tokens_of = {p: sorted({r.tokens for r in main if r.preset == p}) for p in presets}
+    sweep = any(len(t) > 1 for t in tokens_of.values())
+    routings = list(dict.fromkeys(r.routing for r in main))
+    dtypes = list(dict.fromkeys(r.dtype for r in main))
+
+    # series: (backend, dtype, routing), plus the preset when lines of several presets share an axis
+    def key(r: BenchRow) -> tuple:
+        return (r.preset if sweep and len(presets) > 1 else "", r.backend, r.dtype, r.routing)
+
+    # ray_ep beside the pipeline for each dtype: order by (dtype, routing, backend)
+    rank_of = {b: i for i, b in enumerate(_STYLE)}
+    keys = sorted(dict.fromkeys(key(r) for r in main),
+                  key=lambda k: (presets.index(k[0]) if k[0] else 0, dtypes.index(k[2]), routings.index(k[3]),
+                                 rank_of.get(k[1], len(rank_of))))
+    if a2a:
+        keys.append(("", "nccl-a2a-equal", "bf16", "-"))
+    # colour: the backend's family, shaded by dtype; routing: line style (lines) or hatching (bars);
+    # with lines of several presets, the marker tells the preset
+    markers = "os^Dv<>p"
+    style = {}
+    for k in keys:
+        colours, marker, name = _STYLE.get(k[1], _OTHER)
+        if k[0]:
+            marker = markers[presets.index(k[0]) % len(markers)]
+        if k[1] == "nccl-a2a-equal":
+            label, colour = name, colours[0]
+        else:
+            label = " ".join(x for x in (k[0], name or k[1], k[2] if len(dtypes) > 1 else "",
+                                         k[3] if len(routings) > 1 else "") if x)
+            colour = colours[dtypes.index(k[2]) % len(colours)]
+        skewed = k[3] not in ("-", routings[0])
+        style[k] = dict(color=colour, marker=marker, label=label, linestyle="--" if skewed else "-",
+                        hatch="//" if k[1] == "nccl-a2a-equal" else ("..." if skewed else None))
+
+    fig, axes = plt.subplots(2, len(ops), figsize=(5.2 * len(ops) + 1, 8.2), squeeze=False)
+    metrics = (("median_us", "time per call, us (log)"), ("remote_gbps", "remote GB/s per rank"))
+    for c, op in enumerate(ops):
+        series = {k: [r for r in main if r.op == op and key(r) == k] for k in keys}
+        if op in ("dispatch", "combine") and a2a:
+            series[keys[-1]] = a2a
+        series = {k: v for k, v in series.items() if v}
+        for m, (attr, ylabel) in enumerate(metrics):
+            ax = axes[m][c]
+            if sweep:
+                for k, rs in series.items():
+                    rs = sorted(rs, key=lambda r: r.tokens)
+                    st = style[k]
+                    ax.plot([r.tokens for r in rs], [getattr(r, attr) for r in rs], marker=st["marker"],
+                            color=st["color"], linestyle=st["linestyle"], label=st["label"],
+                            linewidth=0 if k[1] == "nccl-a2a-equal" else 1.5, markersize=6)
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("tokens per rank")
+            else:
+                slots = list(series)
+                width = 0.84 / max(len(slots), 1)
+                for j, k in enumerate(slots):
+                    by_preset = {r.preset: getattr(r, attr) for r in series[k]}
+                    xs = [i + (j - (len(slots) - 1) / 2) * width for i, p in enumerate(presets) if p in by_preset]
+                    ys = [by_preset[p] for p in presets if p in by_preset]
+                    st = style[k]
+                    bars = ax.bar(xs, ys, width=width * 0.92, color=st["color"], label=st["label"],
+                                  hatch=st["hatch"], edgecolor="white", linewidth=0.5)
+                    ax.bar_label(bars, labels=[f"{y:.0f}" if y >= 100 else f"{y:.3g}" for y in ys], fontsize=6.5,
+                                 rotation=90, padding=2)
+                ax.set_xticks(range(len(presets)),
+                              [f"{p}\n{tokens_of[p][0]} tokens/rank" for p in presets], fontsize=8.5)
+                ax.set_xlim(-0.5, len(presets) - 0.5)
+            if attr == "median_us":
+                ax.set_yscale("log")
+                values = [r.median_us for rs in series.values() for r in rs if r.median_us > 0]
+                if values:  # whole decades: bars start at a power of ten, room above for their labels
+                    ax.set_ylim(10 ** math.floor(math.log10(min(values) * 0.9)),
+                                10 ** math.ceil(math.log10(max(values) * (1.5 if sweep else 4))))
+                ax.set_title(op if op != "combine" or len(dtypes) < 2 else
+                             "combine (bf16; dtype = the dispatch before it)", fontsize=11)
+            else:
+                top = ax.get_ylim()[1] * 1.12  # room for the bar labels
+                if peer:
+                    gbps = peer[0].remote_gbps
+                    ax.axhline(gbps, color="#d62728", linestyle=":", linewidth=1.6,
+                               label=f"copy-engine peer copy, one GPU pair: {gbps:.0f} GB/s (link ceiling)")
+                    ax.annotate(f"copy engine {gbps:.0f} GB/s", (1, gbps), xycoords=("axes fraction", "data"),
+                                xytext=(-4, 3), textcoords="offset points", ha="right", va="bottom",
+                                color="#d62728", fontsize=8)
+                    top = max(top, gbps * 1.2)
+                ax.set_ylim(0, top)
+                if op == "layer":
+                    ax.set_title("layer: dispatch bytes / layer time", fontsize=9)
             ax.set_ylabel(ylabel)
-            ax.grid(True, alpha=0.3)
-        ax_t.set_yscale("log")
-        ax_b.legend(fontsize=6, loc="best")
-        fig.suptitle(f"ray_ep benchmark: {self.meta.get('device', '?')} x{self.meta.get('world_size', '?')}")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.set_axisbelow(True)
+
+    handles, labels = {}, []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in handles:
+                handles[lab] = h
+                labels.append(lab)
+    ncol = min(3, len(labels))
+    nrows = math.ceil(len(labels) / ncol)
+    fig.legend([handles[lab] for lab in labels], labels, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
+    meta = res.meta
+    sms = sorted({r.sms for r in main if r.backend == "ray_ep"} - {"-"})
+    device_sms = meta.get("sms")
+    sm_text = f", ray_ep on {'/'.join(sms)} SMs" if sms else ""
+    if sms and device_sms and sms != [str(device_sms)]:
+        sm_text += f" (of {device_sms})"
+    topo = {r.topology for r in main} - {""}
+    title = (f"ray_ep benchmark: {meta.get('device', '?')} x{meta.get('world_size', '?')}"
+             + (f" ({topo.pop()})" if len(topo) == 1 else "") + f", commit {meta.get('commit', '?')}{sm_text}")
+    sub = (f"{'/'.join(routings)} routing, {meta.get('iters', '?')} iterations; time: the slowest rank's median "
+           f"(lower is better); GB/s: bytes each rank sends to the other ranks (higher is better)")
+    fig.suptitle(title + "\n" + sub, fontsize=11)
+    fig.tight_layout(rect=(0, 0.025 + 0.03 * nrows, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
