@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from ray_ep import bench, cli
 from ray_ep.bench import runner
 from ray_ep.config import EPConfig, plan_buffers
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+INTERRUPTED = "ray-ep bench: interrupted; workers stopped"
 
 
 def test_plan_prints_bytes_per_gpu(capsys):
@@ -52,11 +61,15 @@ def test_bench_cli_torch_tiny_world_2(ray_session, tmp_path, capsys):
     rc = cli.main(["bench", "--backend", "torch", "--preset", "tiny", "--world", "2", "--iters", "3", "--warmup", "1",
                    "--tokens", "8,32", "--routing", "uniform,skewed", "--json", str(js), "--plot", str(png), "--quiet"])
     assert rc == 0
-    out = capsys.readouterr().out
-    assert "nccl-pipeline" in out and "dispatch" in out and "combine" in out
+    captured = capsys.readouterr()
+    out = captured.out
+    # on CPU workers the torch backend's pipeline runs over gloo, and says so
+    assert "gloo-pipeline" in out and "nccl-pipeline" not in out and "dispatch" in out and "combine" in out
+    assert "starting" not in captured.err and "cases" not in captured.err  # --quiet: no progress
     data = json.loads(js.read_text())
     # 2 dtypes x 2 routings x 2 token counts x (dispatch, combine)
     assert len(data["rows"]) == 16
+    assert {r["backend"] for r in data["rows"]} == {"gloo-pipeline"}
     assert data["meta"]["world_size"] == 2 and "torch" in data["meta"]["versions"]
     for row in data["rows"]:
         assert row["median_us"] > 0 and len(row["per_rank_median_us"]) == 2
@@ -85,3 +98,136 @@ def test_aggregate_takes_the_slowest_rank():
 def test_unknown_bench_preset_is_refused():
     with pytest.raises(ValueError, match="unknown benchmark preset"):
         bench.run_bench(None, presets=["nope"])  # checked before the cluster is touched
+
+
+def test_backend_labels_say_what_ran():
+    assert runner.backend_label("torch", gpu_workers=False) == "gloo-pipeline"
+    assert runner.backend_label("torch", gpu_workers=True) == "nccl-pipeline"
+    assert runner.backend_label("nvshmem", gpu_workers=True) == "ray_ep"
+
+
+def _row(**kw) -> bench.BenchRow:
+    base = dict(preset="tiny", backend="gloo-pipeline", op="dispatch", dtype="bf16", routing="uniform", tokens=8,
+                world_size=2, sms="-", median_us=100.0, p10_us=90.0, p90_us=120.0, per_rank_median_us=[90.0, 100.0],
+                remote_gbps=0.5, received_gbps=0.8, check_error=1e-3, topology="1x2")
+    return bench.BenchRow(**{**base, **kw})
+
+
+def test_json_round_trip_and_plots(tmp_path):
+    res = bench.BenchResult(rows=[_row(), _row(op="combine", median_us=80.0), _row(tokens=32, median_us=300.0)],
+                            meta={"device": "cpu", "world_size": 2, "commit": "abc"})
+    res.to_json(str(tmp_path / "r.json"))
+    back = bench.BenchResult.from_json(str(tmp_path / "r.json"))
+    assert back.rows == res.rows and back.meta == res.meta
+    back.plot(str(tmp_path / "sweep.png"))  # two token counts: lines
+    # a published GPU run: one token count per preset (bars), all_to_all and peer-copy references
+    gpu = bench.BenchResult.from_json(str(DOCS / "bench-4xh200-v4.json"))
+    assert len(gpu.rows) == 19 and gpu.meta["device"] == "NVIDIA H200"
+    assert {r.op for r in gpu.rows} == {"dispatch", "combine", "all_to_all", "peer_copy"}
+    gpu.plot(str(tmp_path / "gpu.png"))
+    assert (tmp_path / "sweep.png").stat().st_size > 1000 and (tmp_path / "gpu.png").stat().st_size > 1000
+
+
+class FakeCluster:
+    """Stands in for EPCluster where no worker is needed."""
+
+    backend = "torch"
+    actors: list = []
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def _teardown(self):
+        pass
+
+
+def test_plot_without_matplotlib_fails_before_any_cluster(monkeypatch, tmp_path, capsys):
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a cluster was started")
+
+    monkeypatch.setattr(runner, "EPCluster", no_cluster)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--preset", "tiny", "--world", "2", "--plot", str(tmp_path / "f.png"), "--quiet"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == "ray-ep bench: --plot needs matplotlib: pip install 'ray-ep[plot]'"
+
+
+def test_a_failing_plot_keeps_the_table_and_the_json(monkeypatch, tmp_path, capsys):
+    res = bench.BenchResult(rows=[_row(), _row(op="combine")], meta={"device": "cpu", "world_size": 2})
+    monkeypatch.setattr(runner, "EPCluster", FakeCluster)
+    monkeypatch.setattr(runner, "run_bench", lambda cluster, **kw: res)
+
+    def broken_plot(self, path):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(bench.BenchResult, "plot", broken_plot)
+    js = tmp_path / "r.json"
+    rc = cli.main(["bench", "--preset", "tiny", "--world", "2", "--json", str(js), "--plot", str(tmp_path / "f.png"),
+                   "--quiet"])
+    assert rc == 1
+    captured = capsys.readouterr()
+    assert "gloo-pipeline" in captured.out and "combine" in captured.out
+    assert len(json.loads(js.read_text())["rows"]) == 2
+    assert "the plot failed (RuntimeError: no display)" in captured.err and len(captured.err.splitlines()) == 1
+
+
+def test_progress_stops_before_the_next_case():
+    stop = threading.Event()
+    p = runner._Progress(3, enabled=False, stop=stop)
+    p.start("case 1")
+    stop.set()
+    with pytest.raises(KeyboardInterrupt):
+        p.start("case 2")
+    p.close()
+
+
+def _assert_dead(actors):
+    import ray
+    from ray.exceptions import RayActorError
+
+    for h in actors:
+        with pytest.raises(RayActorError):
+            ray.get(h._ep_ping.remote(), timeout=30)
+
+
+def test_ctrl_c_inside_run_bench_stops_the_workers(ray_session, monkeypatch, capsys):
+    seen = {}
+
+    def interrupted_run(cluster, **kwargs):
+        seen["actors"] = cluster.actors  # the cluster is up
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_bench", interrupted_run)
+    rc = cli.main(["bench", "--backend", "torch", "--preset", "tiny", "--world", "2", "--quiet"])
+    assert rc == 130
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == INTERRUPTED and captured.out == ""
+    _assert_dead(seen["actors"])
+
+
+def test_ctrl_c_during_a_long_row_kills_the_workers(ray_session, monkeypatch, capsys):
+    # a real SIGINT to this process while every worker sits in a 60 s call: the driver must not
+    # wait for it (nor for a clean shutdown queued behind it) beyond the grace period
+    seen = {}
+
+    def long_row(cluster, **kwargs):
+        seen["actors"] = cluster.actors
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        seen["t0"] = time.monotonic()
+        cluster.run(lambda worker, s: time.sleep(s), 60)
+
+    monkeypatch.setattr(runner, "run_bench", long_row)
+    monkeypatch.setattr(runner, "INTERRUPT_GRACE_S", 1.0)
+    rc = cli.main(["bench", "--backend", "torch", "--preset", "tiny", "--world", "2", "--quiet"])
+    elapsed = time.monotonic() - seen["t0"]
+    assert rc == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == INTERRUPTED
+    assert elapsed < 20, f"took {elapsed:.1f} s after Ctrl-C"
+    _assert_dead(seen["actors"])

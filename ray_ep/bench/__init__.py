@@ -1,7 +1,7 @@
 """Benchmarks of ray_ep beside the baselines, in one run (``ray-ep bench``, ``python -m ray_ep.bench``).
 
 - :mod:`ray_ep.bench.runner`: the driver side: presets, the run plan, aggregation over ranks,
-  the table, JSON and plot, the command-line flags.
+  the table, JSON (written and read back) and plot, the command-line flags, Ctrl-C.
 - :mod:`ray_ep.bench.loops`: the per-rank loops that run inside the workers (correctness
   check, warm-up, timed iterations).
 

@@ -11,14 +11,18 @@ splits, and the copy-engine peer copy of one GPU pair.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Sequence
 
+import ray
 from tqdm import tqdm
 
 from ..config import EPConfig, parse_topology
@@ -33,7 +37,20 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-prefill": {"model": "mixtral", "tokens": 4096, "dtypes": ["bf16"]},
     "tiny": {"model": "tiny", "tokens": 32, "dtypes": ["bf16", "fp8"]},
 }
+# Table labels of run_bench's backends, by what ran: the torch backend's pipeline runs over NCCL on
+# GPUs and over gloo on CPU workers.
 BACKEND_LABELS = {"nvshmem": "ray_ep", "torch": "nccl-pipeline"}
+CPU_BACKEND_LABELS = {"torch": "gloo-pipeline"}
+PLOT_NEEDS = "--plot needs matplotlib: pip install 'ray-ep[plot]'"
+INTERRUPT_GRACE_S = 3.0
+"""After Ctrl-C, how long the workers get to shut down cleanly before they are killed."""
+
+
+def backend_label(backend: str, gpu_workers: bool) -> str:
+    """The table's name of a run_bench backend (``nvshmem`` / ``torch``) on GPU or CPU workers."""
+    if not gpu_workers and backend in CPU_BACKEND_LABELS:
+        return CPU_BACKEND_LABELS[backend]
+    return BACKEND_LABELS[backend]
 
 
 @dataclass(frozen=True)
@@ -83,34 +100,166 @@ class BenchResult:
         with open(path, "w") as f:
             json.dump({"meta": self.meta, "rows": [asdict(r) for r in self.rows]}, f, indent=1)
 
+    @classmethod
+    def from_json(cls, path: str) -> "BenchResult":
+        """Read a file written by :meth:`to_json` (e.g. to plot or print a past run again)."""
+        with open(path) as f:
+            data = json.load(f)
+        names = {f.name for f in fields(BenchRow)}
+        rows = [BenchRow(**{k: v for k, v in r.items() if k in names}) for r in data.get("rows", [])]
+        return cls(rows=rows, meta=data.get("meta", {}))
+
     def plot(self, path: str) -> None:
-        """Time and remote bandwidth against tokens per rank, one line per (backend, op, dtype)."""
-        import matplotlib
+        """One column per operation (dispatch, combine, layer): time per call above, remote GB/s
+        per rank below. A single token count per preset gives grouped bars (one group per
+        preset, one bar per backend and dtype); a sweep (--tokens) gives lines over tokens per
+        rank. The raw all_to_all appears as a reference beside dispatch and combine, the
+        copy-engine peer copy as a horizontal line (the link's ceiling) in the GB/s panels."""
+        _plot(self, path)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
-        series: dict[tuple, list[BenchRow]] = {}
-        for r in self.rows:
-            series.setdefault((r.preset, r.backend, r.op, r.dtype, r.routing), []).append(r)
-        for key, rows in series.items():
-            rows = sorted(rows, key=lambda r: r.tokens)
-            label = " ".join(str(k) for k in key)
-            xs = [r.tokens for r in rows]
-            ax_t.plot(xs, [r.median_us for r in rows], marker="o", label=label)
-            ax_b.plot(xs, [r.remote_gbps for r in rows], marker="o", label=label)
-        for ax, ylabel in ((ax_t, "time per call, us (slowest rank's median)"), (ax_b, "remote GB/s per rank")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("tokens per rank")
+# ---- plot ------------------------------------------------------------------------------------
+PLOT_OPS = ("dispatch", "combine", "layer")
+# backend label -> (colours, one per dispatch dtype, marker, legend text)
+_STYLE: dict[str, tuple[list[str], str, str]] = {
+    "ray_ep": (["#1f77b4", "#7fb8e0", "#08306b", "#4a90c9"], "o", "ray_ep"),
+    "nccl-pipeline": (["#e6550d", "#fdae6b", "#a63603", "#f5894a"], "s", "NCCL pipeline"),
+    "gloo-pipeline": (["#e6550d", "#fdae6b", "#a63603", "#f5894a"], "s", "gloo pipeline"),
+    "nccl-a2a-equal": (["#7f7f7f"], "^", "raw NCCL all_to_all_single (bf16, equal splits)"),
+}
+_OTHER = (["#2ca02c", "#98df8a", "#9467bd", "#c5b0d5"], "D", "")
+
+
+def _plot(res: BenchResult, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res.rows
+    ops = [op for op in PLOT_OPS if any(r.op == op for r in rows)]
+    if not ops:
+        raise ValueError("nothing to plot: no dispatch, combine or layer rows")
+    main = [r for r in rows if r.op in ops]
+    a2a = [r for r in rows if r.op == "all_to_all"]
+    peer = [r for r in rows if r.op == "peer_copy"]
+    presets = list(dict.fromkeys(r.preset for r in main))
+    tokens_of = {p: sorted({r.tokens for r in main if r.preset == p}) for p in presets}
+    sweep = any(len(t) > 1 for t in tokens_of.values())
+    routings = list(dict.fromkeys(r.routing for r in main))
+    dtypes = list(dict.fromkeys(r.dtype for r in main))
+
+    # series: (backend, dtype, routing), plus the preset when lines of several presets share an axis
+    def key(r: BenchRow) -> tuple:
+        return (r.preset if sweep and len(presets) > 1 else "", r.backend, r.dtype, r.routing)
+
+    # ray_ep beside the pipeline for each dtype: order by (dtype, routing, backend)
+    rank_of = {b: i for i, b in enumerate(_STYLE)}
+    keys = sorted(dict.fromkeys(key(r) for r in main),
+                  key=lambda k: (presets.index(k[0]) if k[0] else 0, dtypes.index(k[2]), routings.index(k[3]),
+                                 rank_of.get(k[1], len(rank_of))))
+    if a2a:
+        keys.append(("", "nccl-a2a-equal", "bf16", "-"))
+    # colour: the backend's family, shaded by dtype; routing: line style (lines) or hatching (bars);
+    # with lines of several presets, the marker tells the preset
+    markers = "os^Dv<>p"
+    style = {}
+    for k in keys:
+        colours, marker, name = _STYLE.get(k[1], _OTHER)
+        if k[0]:
+            marker = markers[presets.index(k[0]) % len(markers)]
+        if k[1] == "nccl-a2a-equal":
+            label, colour = name, colours[0]
+        else:
+            label = " ".join(x for x in (k[0], name or k[1], k[2] if len(dtypes) > 1 else "",
+                                         k[3] if len(routings) > 1 else "") if x)
+            colour = colours[dtypes.index(k[2]) % len(colours)]
+        skewed = k[3] not in ("-", routings[0])
+        style[k] = dict(color=colour, marker=marker, label=label, linestyle="--" if skewed else "-",
+                        hatch="//" if k[1] == "nccl-a2a-equal" else ("..." if skewed else None))
+
+    fig, axes = plt.subplots(2, len(ops), figsize=(5.2 * len(ops) + 1, 8.2), squeeze=False)
+    metrics = (("median_us", "time per call, us (log)"), ("remote_gbps", "remote GB/s per rank"))
+    for c, op in enumerate(ops):
+        series = {k: [r for r in main if r.op == op and key(r) == k] for k in keys}
+        if op in ("dispatch", "combine") and a2a:
+            series[keys[-1]] = a2a
+        series = {k: v for k, v in series.items() if v}
+        for m, (attr, ylabel) in enumerate(metrics):
+            ax = axes[m][c]
+            if sweep:
+                for k, rs in series.items():
+                    rs = sorted(rs, key=lambda r: r.tokens)
+                    st = style[k]
+                    ax.plot([r.tokens for r in rs], [getattr(r, attr) for r in rs], marker=st["marker"],
+                            color=st["color"], linestyle=st["linestyle"], label=st["label"],
+                            linewidth=0 if k[1] == "nccl-a2a-equal" else 1.5, markersize=6)
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("tokens per rank")
+            else:
+                slots = list(series)
+                width = 0.84 / max(len(slots), 1)
+                for j, k in enumerate(slots):
+                    by_preset = {r.preset: getattr(r, attr) for r in series[k]}
+                    xs = [i + (j - (len(slots) - 1) / 2) * width for i, p in enumerate(presets) if p in by_preset]
+                    ys = [by_preset[p] for p in presets if p in by_preset]
+                    st = style[k]
+                    bars = ax.bar(xs, ys, width=width * 0.92, color=st["color"], label=st["label"],
+                                  hatch=st["hatch"], edgecolor="white", linewidth=0.5)
+                    ax.bar_label(bars, labels=[f"{y:.0f}" if y >= 100 else f"{y:.3g}" for y in ys], fontsize=6.5,
+                                 rotation=90, padding=2)
+                ax.set_xticks(range(len(presets)),
+                              [f"{p}\n{tokens_of[p][0]} tokens/rank" for p in presets], fontsize=8.5)
+                ax.set_xlim(-0.5, len(presets) - 0.5)
+            if attr == "median_us":
+                ax.set_yscale("log")
+                values = [r.median_us for rs in series.values() for r in rs if r.median_us > 0]
+                if values:  # whole decades: bars start at a power of ten, room above for their labels
+                    ax.set_ylim(10 ** math.floor(math.log10(min(values) * 0.9)),
+                                10 ** math.ceil(math.log10(max(values) * (1.5 if sweep else 4))))
+                ax.set_title(op if op != "combine" or len(dtypes) < 2 else
+                             "combine (bf16; dtype = the dispatch before it)", fontsize=11)
+            else:
+                top = ax.get_ylim()[1] * 1.12  # room for the bar labels
+                if peer:
+                    gbps = peer[0].remote_gbps
+                    ax.axhline(gbps, color="#d62728", linestyle=":", linewidth=1.6,
+                               label=f"copy-engine peer copy, one GPU pair: {gbps:.0f} GB/s (link ceiling)")
+                    ax.annotate(f"copy engine {gbps:.0f} GB/s", (1, gbps), xycoords=("axes fraction", "data"),
+                                xytext=(-4, 3), textcoords="offset points", ha="right", va="bottom",
+                                color="#d62728", fontsize=8)
+                    top = max(top, gbps * 1.2)
+                ax.set_ylim(0, top)
+                if op == "layer":
+                    ax.set_title("layer: dispatch bytes / layer time", fontsize=9)
             ax.set_ylabel(ylabel)
-            ax.grid(True, alpha=0.3)
-        ax_t.set_yscale("log")
-        ax_b.legend(fontsize=6, loc="best")
-        fig.suptitle(f"ray_ep benchmark: {self.meta.get('device', '?')} x{self.meta.get('world_size', '?')}")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.set_axisbelow(True)
+
+    handles, labels = {}, []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in handles:
+                handles[lab] = h
+                labels.append(lab)
+    ncol = min(3, len(labels))
+    nrows = math.ceil(len(labels) / ncol)
+    fig.legend([handles[lab] for lab in labels], labels, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
+    meta = res.meta
+    sms = sorted({r.sms for r in main if r.backend == "ray_ep"} - {"-"})
+    device_sms = meta.get("sms")
+    sm_text = f", ray_ep on {'/'.join(sms)} SMs" if sms else ""
+    if sms and device_sms and sms != [str(device_sms)]:
+        sm_text += f" (of {device_sms})"
+    topo = {r.topology for r in main} - {""}
+    title = (f"ray_ep benchmark: {meta.get('device', '?')} x{meta.get('world_size', '?')}"
+             + (f" ({topo.pop()})" if len(topo) == 1 else "") + f", commit {meta.get('commit', '?')}{sm_text}")
+    sub = (f"{'/'.join(routings)} routing, {meta.get('iters', '?')} iterations; time: the slowest rank's median "
+           f"(lower is better); GB/s: bytes each rank sends to the other ranks (higher is better)")
+    fig.suptitle(title + "\n" + sub, fontsize=11)
+    fig.tight_layout(rect=(0, 0.025 + 0.03 * nrows, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
@@ -135,13 +284,43 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
                     misplaced_rows=sum(r["misplaced_rows"] for r in per_rank), **labels)
 
 
-def _step(bar: tqdm, what: str) -> None:
-    bar.set_postfix_str(what, refresh=False)
-    bar.update()
+class _Progress:
+    """The progress line on stderr: the case about to run, cases done, elapsed and remaining time
+    (tqdm's estimate). A thread redraws it every second, so the clock moves during a long case
+    (the first one compiles the kernels). :meth:`start` is called before every case, so it also
+    stops the run (KeyboardInterrupt) once ``stop`` is set."""
+
+    def __init__(self, total: int, enabled: bool, stop: threading.Event | None = None):
+        self.stop = stop
+        self.bar = tqdm(total=total, disable=not enabled, leave=False, file=sys.stderr, unit="case",
+                        bar_format="bench {n_fmt}/{total_fmt} cases |{bar:12}| {elapsed}<{remaining}  {desc}")
+        self._closed = threading.Event()
+        self._thread = None
+        if enabled:
+            self._thread = threading.Thread(target=self._tick, name="ray_ep-bench-progress", daemon=True)
+            self._thread.start()
+
+    def _tick(self) -> None:
+        while not self._closed.wait(1.0):
+            self.bar.refresh()
+
+    def start(self, what: str) -> None:
+        """Show the case that is about to run (or stop here: Ctrl-C in run_from_args)."""
+        if self.stop is not None and self.stop.is_set():
+            raise KeyboardInterrupt
+        self.bar.set_description_str(what, refresh=True)
+
+    def done(self) -> None:
+        self.bar.update()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        self.bar.close()
 
 
 def _meta(cluster: EPCluster, iters: int) -> dict:
-    import ray
     import torch
     import triton
 
@@ -169,13 +348,16 @@ def _meta(cluster: EPCluster, iters: int) -> dict:
 def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[str] | None = None,
               tokens: Sequence[int] | None = None, routing: Sequence[str] = ("uniform",), iters: int = 50,
               warmup: int = 5, num_sms: int | None = None, fused: bool = True, layer: bool = False,
-              baselines: bool = True, progress: bool = True, seed: int = 0) -> BenchResult:
+              baselines: bool = True, progress: bool = True, seed: int = 0,
+              stop: threading.Event | None = None) -> BenchResult:
     """Benchmark ``presets`` (names of BENCH_PRESETS) on a started cluster.
 
     backends: ``nvshmem`` (ray_ep's kernels) and/or ``torch`` (the NCCL / gloo pipeline);
     default: the cluster's backend, plus ``torch`` as the baseline on GPUs. tokens: a sweep
     of tokens per rank (default: the preset's). ``layer`` adds whole-MoE-layer rows (loads
     seeded experts). ``baselines`` adds raw all_to_all and the peer copy (GPUs only).
+    ``progress``: a progress line on stderr. ``stop``: once set, the run raises KeyboardInterrupt
+    before its next case.
     """
     for p in presets:
         if p not in BENCH_PRESETS:
@@ -188,6 +370,7 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
         raise ValueError("the nvshmem backend needs a GPU cluster; use backends=['torch']")
     result = BenchResult(meta=_meta(cluster, iters))
     sms_label = str(num_sms or result.meta.get("sms") or "-")
+    gpu_workers = result.meta["device"] != "cpu"  # the torch backend runs over NCCL there, else gloo
     base = cluster.config
     plan = []
     for p in presets:
@@ -198,55 +381,79 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
                 for rt in routing:
                     for T in sweep:
                         plan.append((p, dt, b, rt, T))
-    bar = tqdm(total=len(plan) * (2 if layer else 1) + (len(presets) + 1 if baselines and on_gpu else 0),
-               disable=not progress, unit="row", leave=False)
-    for p in presets:
-        spec = BENCH_PRESETS[p]
-        n_max = max(list(tokens) if tokens else [spec["tokens"]])
-        for dt in spec["dtypes"]:
-            cfg = EPConfig.preset(spec["model"], n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node,
-                                  max_tokens_per_rank=n_max, dispatch_dtype=dt, num_sms=num_sms,
-                                  recv_timeout_s=base.recv_timeout_s)
-            name = f"bench/{p}/{dt}"
-            cluster.call_workers("add_group", name, cfg)
-            try:
-                for (pp, ddt, b, rt, T) in plan:
-                    if (pp, ddt) != (p, dt):
-                        continue
-                    labels = dict(preset=p, backend=BACKEND_LABELS[b], dtype=dt, routing=rt, tokens=T,
-                                  sms=sms_label if b == "nvshmem" else "-")
-                    per_rank = cluster.run(run_row, "comm", group=name, backend=b, num_tokens=T, routing=rt,
-                                           seed=seed, iters=iters, warmup=warmup, fused=fused)
-                    result.rows.append(aggregate(per_rank, "dispatch", cfg, row_bytes(cfg, "dispatch"), **labels))
-                    result.rows.append(aggregate(per_rank, "combine", cfg, row_bytes(cfg, "combine"), **labels))
-                    _step(bar, f"{p} {labels['backend']} {dt} {rt} T={T}")
-                    if layer:
-                        per_rank = cluster.run(run_row, "layer", group=name, backend=b, num_tokens=T,
-                                               routing=rt, seed=seed, iters=iters, warmup=warmup)
-                        result.rows.append(aggregate(per_rank, "layer", cfg, row_bytes(cfg, "dispatch"), **labels))
-                        _step(bar, f"{p} {labels['backend']} {dt} {rt} T={T} layer")
-                if baselines and on_gpu and dt == spec["dtypes"][0]:
-                    T = n_max
-                    per_rank = cluster.run(run_row, "all_to_all", group=name, rows_per_peer=T,
-                                           iters=iters, warmup=warmup)
-                    result.rows.append(aggregate(per_rank, "all_to_all", cfg, 2 * cfg.hidden_size, preset=p,
-                                                 backend="nccl-a2a-equal", dtype="bf16", routing="-", tokens=T, sms="-"))
-                    _step(bar, f"{p} all_to_all_single equal splits")
-            finally:
-                cluster.call_workers("drop_group", name)
-    if baselines and on_gpu and cluster.config.gpus_per_node >= 2:  # a pair on one node
-        per_rank = cluster.run(run_row, "peer_copy", nbytes=256 * 2**20, iters=iters, warmup=warmup)
-        rank0 = per_rank[:1]
-        med = statistics.median(rank0[0]["times_us"]["peer_copy"])
-        nb = rank0[0]["remote_rows"]
-        result.rows.append(BenchRow(preset="-", backend="copy-engine", op="peer_copy", dtype="u8", routing="-",
-                                    tokens=0, world_size=2, sms="-", median_us=med, topology="1x2",
-                                    p10_us=_pct(rank0[0]["times_us"]["peer_copy"], 0.1),
-                                    p90_us=_pct(rank0[0]["times_us"]["peer_copy"], 0.9), per_rank_median_us=[med],
-                                    remote_gbps=nb / med / 1e3, received_gbps=nb / med / 1e3))
-        _step(bar, "copy-engine peer copy, one pair")
-    bar.close()
+    bar = _Progress(len(plan) * (2 if layer else 1) + (len(presets) + 1 if baselines and on_gpu else 0), progress,
+                    stop)
+    try:
+        for p in presets:
+            _run_preset(cluster, result, bar, p, [c for c in plan if c[0] == p], tokens=tokens, iters=iters,
+                        warmup=warmup, num_sms=num_sms, fused=fused, layer=layer, baselines=baselines and on_gpu,
+                        seed=seed, sms_label=sms_label, gpu_workers=gpu_workers)
+        if baselines and on_gpu and base.gpus_per_node >= 2:  # a pair on one node
+            bar.start("copy-engine peer copy, one GPU pair")
+            per_rank = cluster.run(run_row, "peer_copy", nbytes=256 * 2**20, iters=iters, warmup=warmup)
+            times = per_rank[0]["times_us"]["peer_copy"]  # rank 0's figures
+            med = statistics.median(times)
+            nb = per_rank[0]["remote_rows"]
+            result.rows.append(BenchRow(preset="-", backend="copy-engine", op="peer_copy", dtype="u8", routing="-",
+                                        tokens=0, world_size=2, sms="-", median_us=med, topology="1x2",
+                                        p10_us=_pct(times, 0.1), p90_us=_pct(times, 0.9), per_rank_median_us=[med],
+                                        remote_gbps=nb / med / 1e3, received_gbps=nb / med / 1e3))
+            bar.done()
+    finally:
+        bar.close()
     return result
+
+
+def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str, plan: list[tuple], *,
+                tokens, iters: int, warmup: int, num_sms, fused: bool, layer: bool, baselines: bool, seed: int,
+                sms_label: str, gpu_workers: bool) -> None:
+    """The rows of one preset: per dispatch dtype a worker group of its own, dropped afterwards."""
+    spec = BENCH_PRESETS[p]
+    base = cluster.config
+    n_max = max(list(tokens) if tokens else [spec["tokens"]])
+    for dt in spec["dtypes"]:
+        cfg = EPConfig.preset(spec["model"], n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node,
+                              max_tokens_per_rank=n_max, dispatch_dtype=dt, num_sms=num_sms,
+                              recv_timeout_s=base.recv_timeout_s)
+        name = f"bench/{p}/{dt}"
+        bar.start(f"{p} {dt}: allocating buffers")
+        cluster.call_workers("add_group", name, cfg)
+        interrupted = False
+        try:
+            for (_, ddt, b, rt, T) in plan:
+                if ddt != dt:
+                    continue
+                labels = dict(preset=p, backend=backend_label(b, gpu_workers), dtype=dt, routing=rt, tokens=T,
+                              sms=sms_label if b == "nvshmem" else "-")
+                case = f"{p} {labels['backend']} {dt} {rt} T={T}"
+                bar.start(f"{case}: dispatch + combine")
+                per_rank = cluster.run(run_row, "comm", group=name, backend=b, num_tokens=T, routing=rt,
+                                       seed=seed, iters=iters, warmup=warmup, fused=fused)
+                result.rows.append(aggregate(per_rank, "dispatch", cfg, row_bytes(cfg, "dispatch"), **labels))
+                result.rows.append(aggregate(per_rank, "combine", cfg, row_bytes(cfg, "combine"), **labels))
+                bar.done()
+                if layer:
+                    bar.start(f"{case}: MoE layer")
+                    per_rank = cluster.run(run_row, "layer", group=name, backend=b, num_tokens=T,
+                                           routing=rt, seed=seed, iters=iters, warmup=warmup)
+                    result.rows.append(aggregate(per_rank, "layer", cfg, row_bytes(cfg, "dispatch"), **labels))
+                    bar.done()
+            if baselines and dt == spec["dtypes"][0]:
+                bar.start(f"{p}: all_to_all_single, equal splits")
+                per_rank = cluster.run(run_row, "all_to_all", group=name, rows_per_peer=n_max,
+                                       iters=iters, warmup=warmup)
+                result.rows.append(aggregate(per_rank, "all_to_all", cfg, 2 * cfg.hidden_size, preset=p,
+                                             backend="nccl-a2a-equal", dtype="bf16", routing="-", tokens=n_max,
+                                             sms="-"))
+                bar.done()
+        except KeyboardInterrupt:
+            # the workers may still be inside a row: a drop_group would queue behind it; the
+            # caller stops (or kills) the workers instead
+            interrupted = True
+            raise
+        finally:
+            if not interrupted:
+                cluster.call_workers("drop_group", name)
 
 
 def add_arguments(parser) -> None:
@@ -267,9 +474,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layer", action="store_true", help="also time whole MoE layers (experts included)")
     parser.add_argument("--no-baselines", action="store_true", help="skip raw all_to_all and the peer copy")
     parser.add_argument("--json", help="write every figure to this JSON file")
-    parser.add_argument("--plot", help="write time and bandwidth against tokens per rank to this PNG")
+    parser.add_argument("--plot", help="write a figure of time and remote bandwidth per operation to this PNG "
+                                       "(needs matplotlib: pip install 'ray-ep[plot]')")
     parser.add_argument("--address", default=None, help="Ray address (default: start a local Ray)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def topology_from_args(args, default_world: int) -> tuple[int, int]:
@@ -290,9 +498,95 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_from_args(args)
 
 
+def _require_matplotlib() -> None:
+    """--plot without matplotlib: fail before any cluster starts (exit status 2, like a bad flag)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"ray-ep bench: {PLOT_NEEDS}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _mute_ray_ep_logs() -> None:
+    """After Ctrl-C the workers are stopped on purpose: no log lines about failed ranks."""
+    logging.getLogger("ray_ep").setLevel(logging.CRITICAL + 1)
+
+
+def _kill(cluster: EPCluster) -> None:
+    """Kill the workers (and the Ray this cluster started) without a clean shutdown; idempotent."""
+    try:
+        cluster._teardown()  # EPCluster has no public kill yet
+    except Exception as e:
+        print(f"ray-ep bench: while killing the workers: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _stop_workers(cluster: EPCluster, grace_s: float) -> None:
+    """A clean worker shutdown if it ends within ``grace_s`` (the workers first finish the row
+    they are in), else kill them."""
+    try:
+        cluster.call_workers("shutdown", call_timeout_s=grace_s)
+    except BaseException:  # timed out (ranks busy or stuck in a collective), a failed group, Ctrl-C again
+        _kill(cluster)
+
+
+def _run_interruptible(cluster: EPCluster, **kwargs: Any) -> BenchResult:
+    """run_bench in a thread, so that Ctrl-C reaches this (main) thread at once: Python raises
+    KeyboardInterrupt only when the main thread runs Python code, and the driver's waits on the
+    workers (ray.wait in EPWorkerGroup) stay in Ray's C++ until a rank answers, which can take
+    the whole first case. On Ctrl-C the run stops before its next case; a row that does not end
+    within INTERRUPT_GRACE_S is cut short by killing the workers. Then KeyboardInterrupt."""
+    stop, finished = threading.Event(), threading.Event()
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["result"] = run_bench(cluster, stop=stop, **kwargs)
+        except BaseException as e:
+            box["error"] = e
+        finally:
+            finished.set()
+
+    # waits on an Event, not Thread.join: a join cut by Ctrl-C can leave is_alive() False (Python < 3.12)
+    threading.Thread(target=work, name="ray_ep-bench", daemon=True).start()
+    try:
+        while not finished.wait(0.2):
+            pass
+    except KeyboardInterrupt:
+        _mute_ray_ep_logs()
+        stop.set()
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        try:
+            while not finished.wait(0.1) and time.monotonic() < deadline:
+                pass
+        except KeyboardInterrupt:  # a second Ctrl-C: kill now
+            pass
+        if not finished.is_set():  # still inside a row: killing the workers ends its wait
+            try:
+                for h in cluster.actors:
+                    ray.kill(h, no_restart=True)
+            except Exception:  # already dead, or the group is gone: the caller's teardown kills the rest
+                pass
+            finished.wait(10)
+        raise
+    if isinstance(box.get("error"), KeyboardInterrupt):  # raised inside run_bench
+        _mute_ray_ep_logs()
+        _stop_workers(cluster, INTERRUPT_GRACE_S)
+        raise box["error"]
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def run_from_args(args) -> int:
     import torch
 
+    if args.plot:
+        _require_matplotlib()
+    for path in (args.json, args.plot):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not os.path.isdir(folder):
+            print(f"ray-ep bench: cannot write {path}: no folder {folder}", file=sys.stderr)
+            return 2
     gpus = torch.cuda.device_count()
     default_world = gpus if gpus else 2
     n_nodes, per_node = topology_from_args(args, default_world)
@@ -303,14 +597,38 @@ def run_from_args(args) -> int:
                           max_tokens_per_rank=first["tokens"])
     backends = args.backend.split(",") if args.backend else None
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
-    with EPCluster(cfg, address=args.address) as ep:
-        res = run_bench(ep, presets=presets, backends=backends, tokens=tokens, routing=args.routing.split(","),
-                        iters=args.iters, warmup=args.warmup, num_sms=args.num_sms, fused=not args.split,
-                        layer=args.layer, baselines=not args.no_baselines, progress=not args.quiet)
+    progress = not args.quiet
+    ep = EPCluster(cfg, address=args.address)
+    log_level = logging.getLogger("ray_ep").level
+    try:
+        if progress:
+            print(f"ray-ep bench: starting {cfg.world_size} workers ({n_nodes}x{per_node}, "
+                  f"{'GPU' if gpus else 'CPU'}) ...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        with ep:  # a Ctrl-C during start(): start() tears down what it started
+            if progress:
+                print(f"ray-ep bench: workers up in {time.monotonic() - t0:.1f} s, backend {ep.backend}",
+                      file=sys.stderr, flush=True)
+            res = _run_interruptible(ep, presets=presets, backends=backends, tokens=tokens,
+                                     routing=args.routing.split(","), iters=args.iters, warmup=args.warmup,
+                                     num_sms=args.num_sms, fused=not args.split, layer=args.layer,
+                                     baselines=not args.no_baselines, progress=progress)
+    except KeyboardInterrupt:
+        _mute_ray_ep_logs()
+        _kill(ep)  # whatever a Ctrl-C inside start() or shutdown() left
+        print("ray-ep bench: interrupted; workers stopped", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        logging.getLogger("ray_ep").setLevel(log_level)
+    # the table and the JSON first: a failing plot must not lose them
+    print(res.table(), flush=True)
     if args.json:
         res.to_json(args.json)
     if args.plot:
-        res.plot(args.plot)
-    print(res.table())
+        try:
+            res.plot(args.plot)
+        except Exception as e:
+            print(f"ray-ep bench: the plot failed ({type(e).__name__}: {e}); the table is above"
+                  + (f", the figures in {args.json}" if args.json else ""), file=sys.stderr)
+            return 1
     return 0
-
