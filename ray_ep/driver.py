@@ -192,14 +192,20 @@ class EPCluster:
             raise
         self._owns_ray = True
 
-    def shutdown(self) -> None:
-        """Free every worker's buffers, stop the workers; idempotent. Stops Ray if it started it."""
-        if self._group is not None and self._group.alive:
-            try:
-                self._group.execute("shutdown", call_timeout_s=60)
-            except Exception as e:  # a dead worker: still kill everything
-                log.warning("ray_ep: clean worker shutdown failed (%s); killing the workers", e)
-        self._teardown()
+    def shutdown(self, timeout_s: float = 60.0, kill: bool = False) -> None:
+        """Free every worker's buffers, stop the workers; idempotent. Stops Ray if it started it.
+
+        A clean shutdown (collective: every rank frees its symmetric memory) gets ``timeout_s``;
+        ``kill=True`` (or a clean shutdown that fails, times out or is interrupted) kills the
+        workers instead."""
+        try:
+            if not kill and self._group is not None and self._group.alive:
+                try:
+                    self._group.execute("shutdown", call_timeout_s=timeout_s)
+                except Exception as e:  # a dead worker: still kill everything
+                    log.warning("ray_ep: clean worker shutdown failed (%s); killing the workers", e)
+        finally:
+            self._teardown()
 
     def _teardown(self) -> None:
         if self._group is not None:
@@ -216,8 +222,8 @@ class EPCluster:
     def __enter__(self) -> "EPCluster":
         return self.start() if self._group is None else self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.shutdown(kill=exc_type is KeyboardInterrupt)  # interrupted: stop now, no collective
 
     def _need_group(self) -> EPWorkerGroup:
         if self._group is None:

@@ -179,7 +179,7 @@ def test_ray_job_submit_produces_artifacts(job_cluster, tmp_path):
     logs = run_job(*job_cluster, f"sh -c 'PYTHONPATH={blocker.parent}:$PYTHONPATH exec {sys.executable} "
                                  f"examples/ray_job.py --config configs/job-1node.yaml --out {out}'")
 
-    assert "PASS" in logs and "nccl-pipeline" in logs  # the check table, then the bench table
+    assert "PASS" in logs and "gloo-pipeline" in logs  # the check table, then the bench table
     check = json.loads((out / "ray_ep_check.json").read_text())
     assert check["passed"] and check["backend"] == "torch" and len(check["per_rank_rel_error"]) == 2
     assert check["max_rel_error"] <= check["tolerance"]

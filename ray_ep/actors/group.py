@@ -723,7 +723,8 @@ class EPWorkerGroup:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            # short waits: Python sees a Ctrl-C only between them (ray.wait blocks in C++)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 0.5))
             for ref in ready:
                 i = index[ref]
                 try:

@@ -417,6 +417,7 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
                               recv_timeout_s=base.recv_timeout_s)
         name = f"bench/{p}/{dt}"
         bar.start(f"{p} {dt}: allocating buffers")
+        cluster.require_memory(cfg, what=f"the {p} {dt} rows", symmetric=True, layers=int(layer), scratch=layer)
         cluster.call_workers("add_group", name, cfg)
         interrupted = False
         try:
@@ -515,7 +516,7 @@ def _mute_ray_ep_logs() -> None:
 def _kill(cluster: EPCluster) -> None:
     """Kill the workers (and the Ray this cluster started) without a clean shutdown; idempotent."""
     try:
-        cluster._teardown()  # EPCluster has no public kill yet
+        cluster.shutdown(kill=True)
     except Exception as e:
         print(f"ray-ep bench: while killing the workers: {type(e).__name__}: {e}", file=sys.stderr)
 
