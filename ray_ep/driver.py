@@ -153,7 +153,9 @@ class EPCluster:
             raise EPStateError(f"backend 'nvshmem' needs one GPU per rank ({cfg.world_size}); the cluster has "
                                f"{gpus:g} GPUs. Use backend='torch' (CPU workers) or add GPUs")
         env = dict(self._runtime_env)
-        env["env_vars"] = {**NO_MULTICAST_ENV, **env.get("env_vars", {})}
+        # TORCH_CPP_LOG_LEVEL: torch's C++ warnings (c10d's "hostname of the client socket cannot be
+        # retrieved" on every start in containers) stay out of the driver's console; yours wins
+        env["env_vars"] = {**NO_MULTICAST_ENV, "TORCH_CPP_LOG_LEVEL": "ERROR", **env.get("env_vars", {})}
         self._use_gpu_resolved = use_gpu
         num_cpus = self._num_cpus if self._num_cpus is not None else (1.0 if use_gpu else 0.5)
         self._group = EPWorkerGroup(EPWorker, cfg, use_gpu=use_gpu, runtime_env=env, num_cpus_per_worker=num_cpus,

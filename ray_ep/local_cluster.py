@@ -24,11 +24,24 @@ log = logging.getLogger(__name__)
 _RAY_AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
+def plain_console() -> None:
+    """No ANSI colours in Ray's "(Actor pid=N)" prefixes when the output is not a terminal
+    (a log file, a pipe) or NO_COLOR is set; an explicit RAY_COLOR_PREFIX wins. Ray reads the
+    variable in the driver for every forwarded line."""
+    import sys
+
+    tty = all(getattr(f, "isatty", lambda: False)() for f in (sys.stdout, sys.stderr))
+    if not tty or os.environ.get("NO_COLOR"):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
 def start_local_ray(num_cpus: int, logging_level: int = logging.WARNING) -> None:
     """``ray.init`` of a fresh single-node Ray on this host, quiet: Ray's own INFO lines and
-    its auth notice only at ``logging_level`` INFO (token auth itself stays on)."""
+    its auth notice only at ``logging_level`` INFO (token auth itself stays on), and no colour
+    codes in forwarded worker lines when the output is not a terminal (:func:`plain_console`)."""
     import ray
 
+    plain_console()
     notice = logging.getLogger(_RAY_AUTH_NOTICE_LOGGER)
     previous = notice.level
     if logging_level >= logging.WARNING and "RAY_AUTH_MODE" not in os.environ:

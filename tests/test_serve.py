@@ -471,18 +471,18 @@ def test_plain_console_without_a_terminal(monkeypatch):
     monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
     monkeypatch.setattr(sys, "stdout", Tty())
     monkeypatch.setattr(sys, "stderr", Tty())
-    serving_server._plain_console()
+    serving_server.plain_console()
     assert "RAY_COLOR_PREFIX" not in os.environ  # a terminal keeps Ray's colours
     monkeypatch.setenv("NO_COLOR", "1")
-    serving_server._plain_console()
+    serving_server.plain_console()
     assert os.environ["RAY_COLOR_PREFIX"] == "0"
     monkeypatch.delenv("NO_COLOR")
     monkeypatch.delenv("RAY_COLOR_PREFIX")
     monkeypatch.setattr(sys, "stdout", open(os.devnull, "w"))  # redirected
-    serving_server._plain_console()
+    serving_server.plain_console()
     assert os.environ["RAY_COLOR_PREFIX"] == "0"
     monkeypatch.setenv("RAY_COLOR_PREFIX", "1")  # the user's choice wins
-    serving_server._plain_console()
+    serving_server.plain_console()
     assert os.environ["RAY_COLOR_PREFIX"] == "1"
     sys.stdout.close()
 

@@ -292,11 +292,15 @@ class _Progress:
 
     def __init__(self, total: int, enabled: bool, stop: threading.Event | None = None):
         self.stop = stop
-        self.bar = tqdm(total=total, disable=not enabled, leave=False, file=sys.stderr, unit="case",
+        self.total, self.done_cases, self.t0 = total, 0, time.monotonic()
+        # a terminal gets the redrawn bar; a log file or pipe one plain line per case (no \r noise)
+        tty = enabled and sys.stderr.isatty()
+        self.plain = enabled and not tty
+        self.bar = tqdm(total=total, disable=not tty, leave=False, file=sys.stderr, unit="case",
                         bar_format="bench {n_fmt}/{total_fmt} cases |{bar:12}| {elapsed}<{remaining}  {desc}")
         self._closed = threading.Event()
         self._thread = None
-        if enabled:
+        if tty:
             self._thread = threading.Thread(target=self._tick, name="ray_ep-bench-progress", daemon=True)
             self._thread.start()
 
@@ -308,9 +312,13 @@ class _Progress:
         """Show the case that is about to run (or stop here: Ctrl-C in run_from_args)."""
         if self.stop is not None and self.stop.is_set():
             raise KeyboardInterrupt
+        if self.plain:
+            print(f"ray-ep bench: [{self.done_cases}/{self.total} cases, {time.monotonic() - self.t0:.0f} s] {what}",
+                  file=sys.stderr, flush=True)
         self.bar.set_description_str(what, refresh=True)
 
     def done(self) -> None:
+        self.done_cases += 1
         self.bar.update()
 
     def close(self) -> None:

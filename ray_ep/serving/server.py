@@ -46,7 +46,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from ..errors import EPError, EPInputError
-from ..local_cluster import start_local_ray
+from ..local_cluster import plain_console, start_local_ray
 from .model import (EPModel, MoEModelConfig, check_checkpoint, init_model_weights, load_checkpoint,
                     read_checkpoint_config)
 
@@ -676,15 +676,6 @@ def _command_started() -> tuple[float, str]:
 _IMPORTED = time.perf_counter()
 
 
-def _plain_console() -> None:
-    """No ANSI colours in Ray's "(Actor pid=N)" prefixes when the output is not a terminal
-    (a log file, a pipe) or NO_COLOR is set; an explicit RAY_COLOR_PREFIX wins. Ray reads the
-    variable in the driver for every forwarded line."""
-    tty = all(getattr(f, "isatty", lambda: False)() for f in (sys.stdout, sys.stderr))
-    if not tty or os.environ.get("NO_COLOR"):
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-
-
 def _init_ray(address: str | None, num_cpus: int, level: int) -> bool:
     """Connect to ``address`` or start a local Ray; True when it started one (ours to stop)."""
     import ray
@@ -728,7 +719,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("ray.serve").setLevel(level)  # the driver's Serve lines ("Started Serve", "is ready at")
-    _plain_console()
+    plain_console()
 
     owns_ray = False
     t_ray = time.perf_counter()
