@@ -487,6 +487,8 @@ def add_arguments(parser) -> None:
                                        "(needs matplotlib: pip install 'ray-ep[plot]')")
     parser.add_argument("--address", default=None, help="Ray address (default: start a local Ray)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--no-memory-check", action="store_true",
+                        help="run even when a preset's memory plan exceeds the free GPU or host memory")
 
 
 def topology_from_args(args, default_world: int) -> tuple[int, int]:
@@ -499,12 +501,10 @@ def topology_from_args(args, default_world: int) -> tuple[int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
+    """``python -m ray_ep.bench``: ``ray-ep bench`` with its error handling (one line per error)."""
+    from ..cli import main as cli_main
 
-    parser = argparse.ArgumentParser(prog="ray-ep bench", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_from_args(args)
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 def _require_matplotlib() -> None:
@@ -607,7 +607,7 @@ def run_from_args(args) -> int:
     backends = args.backend.split(",") if args.backend else None
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
     progress = not args.quiet
-    ep = EPCluster(cfg, address=args.address)
+    ep = EPCluster(cfg, address=args.address, check_memory=not args.no_memory_check)
     log_level = logging.getLogger("ray_ep").level
     try:
         if progress:
