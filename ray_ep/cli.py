@@ -17,6 +17,24 @@ from .config import PRESETS, EPConfig, describe_config_error, parse_topology, pl
 from .errors import EPError, EPInputError
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (0 or a negative count would be ignored or mean nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage block), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 class UsageError(Exception):
     """A bad flag or config: ``main`` prints it on one line and exits with status 2."""
 
@@ -56,8 +74,8 @@ def _config_from(args: argparse.Namespace, default_world: int) -> EPConfig:
 def _topology_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
     p.add_argument("--config", help="YAML or JSON file of EPConfig fields (overrides --preset)")
-    p.add_argument("--gpus", type=int, help="ranks on one node (GPUs)")
-    p.add_argument("--world", type=int, help="ranks on one node (alias of --gpus, for CPU workers)")
+    p.add_argument("--gpus", type=positive_int, help="ranks on one node (GPUs)")
+    p.add_argument("--world", type=positive_int, help="ranks on one node (alias of --gpus, for CPU workers)")
     p.add_argument("--topology", help="NODESxGPUS, e.g. 2x4")
     p.add_argument("--dispatch-dtype", dest="dispatch_dtype", choices=["bf16", "fp8"])
     p.add_argument("--max-tokens", dest="max_tokens_per_rank", type=int, help="max_tokens_per_rank (N_max)")
@@ -129,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="ray-ep", description="Mixture-of-Experts dispatch/combine on Ray")
+    parser = OneLineParser(prog="ray-ep", description="Mixture-of-Experts dispatch/combine on Ray")
     parser.add_argument("--version", action="version", version=f"ray-ep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -140,9 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="run MoE layers on the cluster and compare with the reference")
     _topology_args(p)
     p.add_argument("--backend", choices=["auto", "nvshmem", "torch"])
-    p.add_argument("--tokens", type=int, help="tokens per rank (default: max_tokens_per_rank)")
+    p.add_argument("--tokens", type=positive_int, help="tokens per rank (default: max_tokens_per_rank)")
     p.add_argument("--routing", default="uniform", choices=["uniform", "skewed", "one-expert"])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=positive_int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", action="store_true", help="split send/recv forms instead of fused")
     p.add_argument("--address", default=None, help="Ray address (default: start a local Ray)")

@@ -18,6 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_GPUS_PER_NODE = 8
+# a week: longer is no timeout at all, and inf or 1e300 would overflow the kernels' nanosecond clocks
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 FP8_GROUP = 128  # channels per fp32 scale in fp8 dispatch
 FP8_MAX = 448.0  # largest finite float8_e4m3fn: the amax of each group maps onto it
 ALIGN_BYTES = 128  # every sub-buffer starts on this boundary (16 B vector access, cache lines)
@@ -77,11 +79,11 @@ class EPConfig(BaseModel):
     """auto: nvshmem when every worker has a GPU, else torch (gloo on CPU)."""
     num_sms: int | None = Field(default=None, gt=0)
     """Most programs (SMs) a communication kernel may use; None: all of them."""
-    init_timeout_s: float = Field(default=180.0, gt=0)
+    init_timeout_s: float = Field(default=180.0, gt=0, le=MAX_TIMEOUT_S)
     """Limit for starting workers and joining the rendezvous / NVSHMEM bootstrap."""
-    recv_timeout_s: float = Field(default=30.0, gt=0)
+    recv_timeout_s: float = Field(default=30.0, gt=0, le=MAX_TIMEOUT_S)
     """Limit for a rank waiting on its peers' signals inside a receive kernel."""
-    call_timeout_s: float = Field(default=600.0, gt=0)
+    call_timeout_s: float = Field(default=600.0, gt=0, le=MAX_TIMEOUT_S)
     """Limit for one driver call on all workers (a dead or hung worker fails it)."""
 
     @property
@@ -111,6 +113,17 @@ class EPConfig(BaseModel):
         """Most expert-major rows a rank can receive, padding included."""
         pad = self.experts_per_rank * (self.expert_alignment - 1)
         return self.world_size * self.max_tokens_per_rank * self.experts_per_token_rank + pad
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bools_for_numbers(cls, data: Any) -> Any:
+        # pydantic would take True as 1 (a YAML `hidden_size: yes`): a number field wants a number
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and field.annotation in (int, float, int | None):
+                    raise ValueError(f"{name} must be a number, got {value!r}")
+        return data
 
     @model_validator(mode="after")
     def _check_topology(self) -> "EPConfig":

@@ -258,6 +258,8 @@ class EPCluster:
         the given world weights (sharded here: rank r gets routed experts [r * L, (r + 1) * L)
         and every shared expert)."""
         g = self._need_group()
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise EPInputError(f"layer must be an int >= 0 (negative slots are ray_ep's own), got {layer!r}")
         if layer not in self._layers_loaded:
             self.require_memory(self.config, what=f"expert layer {layer}", layers=1,
                                 scratch=not self._layers_loaded)
@@ -443,6 +445,8 @@ class EPCluster:
                                                      for c in counts):
             raise EPInputError(f"num_tokens must be an int or one int per rank ({self.world_size}), each in "
                                f"0..max_tokens_per_rank = {cfg.max_tokens_per_rank}, got {num_tokens!r}")
+        if not any(counts):
+            raise EPInputError("num_tokens are 0 on every rank: the check would compare nothing; give at least 1")
         if routing not in ROUTINGS:
             raise EPInputError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
         if rounds < 1:

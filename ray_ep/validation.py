@@ -41,8 +41,7 @@ def check_tensor(name: str, t: object, *, dims: int | None = None, shape: Sequen
                  dtypes: Sequence[torch.dtype] | None = None, device: torch.device | str | None = None,
                  contiguous: bool = False, inner_contiguous: bool = False) -> None:
     """Raise EPInputError naming ``name`` when ``t`` is not the tensor a launcher needs."""
-    if not isinstance(t, torch.Tensor):
-        raise EPInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(name, t)
     if dims is not None and t.dim() != dims:
         raise EPInputError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
     if shape is not None and tuple(t.shape) != tuple(shape):
@@ -58,6 +57,17 @@ def check_tensor(name: str, t: object, *, dims: int | None = None, shape: Sequen
         raise EPInputError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
 
 
+def check_dense(name: str, t: object) -> None:
+    """A real tensor with values: not a meta tensor (no data), not sparse (the kernels read
+    strided memory)."""
+    if not isinstance(t, torch.Tensor):
+        raise EPInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_meta:
+        raise EPInputError(f"{name} is a meta tensor (shape only, no data); pass a tensor with values")
+    if t.layout != torch.strided:
+        raise EPInputError(f"{name} has layout {t.layout}; pass a dense tensor (call .to_dense())")
+
+
 def check_token_count(cfg: EPConfig, T: int, who: str = "") -> None:
     if T > cfg.max_tokens_per_rank:
         raise EPInputError(f"{who}{T} tokens exceed max_tokens_per_rank = {cfg.max_tokens_per_rank}; "
@@ -70,6 +80,12 @@ def validate_moe_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Te
     [0, E) other than -1, an expert listed twice by one token, NaN/Inf in x or the weights.
     Any device; syncs with it (the value checks)."""
     who = f"rank {rank}: " if rank is not None else ""
+    for name, t in (("x", x_TH), ("topk_ids", topk_ids_TK), ("topk_weights", topk_weights_TK)):
+        if isinstance(t, torch.Tensor):
+            try:
+                check_dense(name, t)
+            except EPInputError as e:
+                raise EPInputError(f"{who}{e}") from None
     if not isinstance(x_TH, torch.Tensor) or x_TH.dim() != 2 or x_TH.shape[1] != cfg.hidden_size:
         raise EPInputError(f"{who}x must be [T, hidden_size={cfg.hidden_size}], got {_shape(x_TH)}")
     T = x_TH.shape[0]

@@ -47,3 +47,20 @@ def test_version_and_module_entry_point():
         except FileNotFoundError:  # the console script is missing where the package is not installed
             continue
         assert out.returncode == 0 and out.stdout.strip() == f"ray-ep {__version__}", out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["check", "--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+    (["check", "--rounds", "-1"], "argument --rounds: must be at least 1, got -1"),
+    (["check", "--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
+    (["plan", "--gpus", "0"], "argument --gpus: must be at least 1, got 0"),
+    (["plan", "--world", "x"], "argument --world: 'x' is not an integer"),
+    (["bench", "--world", "0"], "argument --world: must be at least 1, got 0"),
+    (["nope"], "invalid choice: 'nope'"),
+])
+def test_bad_flags_are_one_line_too(argv, words, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err and "--help" in err, err

@@ -494,3 +494,17 @@ def test_config_errors_describe_in_one_line():
         EPConfig(hidden_size=-1, n_experts=8, top_k=0, max_tokens_per_rank=4)
     line = describe_config_error(info.value)
     assert "\n" not in line and "hidden_size: " in line and "top_k: " in line
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", True), ("top_k", False), ("num_sms", True),
+                                          ("recv_timeout_s", True)])
+def test_booleans_are_not_numbers(field, value):
+    with pytest.raises(pydantic.ValidationError, match=f"{field} must be a number"):
+        EPConfig.preset("tiny", **{field: value})
+
+
+@pytest.mark.parametrize("value", [math.inf, 1e300, math.nan, 0.0, -1.0])
+@pytest.mark.parametrize("field", ["init_timeout_s", "recv_timeout_s", "call_timeout_s"])
+def test_timeouts_are_finite_and_bounded(field, value):
+    with pytest.raises(pydantic.ValidationError, match=field):
+        EPConfig.preset("tiny", **{field: value})

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from ray_ep.config import EPConfig
+from ray_ep.errors import EPInputError
 from ray_ep.inputs import make_inputs, rank_inputs
 from ray_ep.routing import route
+from ray_ep.validation import validate_moe_inputs
 from ray_ep.weights import init_expert_weights
 
 WORLDS = [1, 2, 4, 8]
@@ -175,3 +177,15 @@ def test_rank_inputs_are_the_worlds_share(routing):
         assert torch.equal(x, xs[r]) and torch.equal(i, ids[r]) and torch.equal(w, ws[r])
     other = rank_inputs(cfg, 5, 1, seed=7, routing=routing)[0]  # another rank, same count: other rows
     assert not torch.equal(other, xs[0])
+
+
+@pytest.mark.parametrize("which", ["x", "topk_ids", "topk_weights"])
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_meta_and_sparse_inputs_are_input_errors(which, kind):
+    cfg = make_cfg(2)
+    x, ids, w = rank_inputs(cfg, 4, 0, seed=1)
+    args = {"x": x, "topk_ids": ids, "topk_weights": w}
+    t = args[which]
+    args[which] = torch.empty(t.shape, dtype=t.dtype, device="meta") if kind == "meta" else t.to_sparse()
+    with pytest.raises(EPInputError, match=which):
+        validate_moe_inputs(cfg, args["x"], args["topk_ids"], args["topk_weights"], rank=1)

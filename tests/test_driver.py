@@ -730,11 +730,21 @@ class TestSharedExperts:
     (dict(num_tokens=-1), "0..max_tokens_per_rank"),
     (dict(routing="zipf"), "routing must be one of uniform, skewed, one-expert"),
     (dict(rounds=0), "rounds must be at least 1"),
+    (dict(num_tokens=0), "0 on every rank"),
 ])
 def test_check_refuses_bad_arguments_in_the_driver(ep2, kwargs, words):
     with pytest.raises(EPInputError) as info:
         ep2.check(**kwargs)
     assert words in str(info.value)
+    assert_usable(ep2)
+
+
+@pytest.mark.parametrize("layer", [-1, "check", 1.0, True])
+def test_expert_layers_are_non_negative_ints(ep2, layer):
+    # negative slots belong to ray_ep (check() loads its experts at -1): a user's layer there
+    # would be deleted by the next check
+    with pytest.raises(EPInputError, match="layer must be an int >= 0"):
+        ep2.load_experts(seed=0, layer=layer)
     assert_usable(ep2)
 
 

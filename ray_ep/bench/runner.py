@@ -469,8 +469,10 @@ def add_arguments(parser) -> None:
     """The flags of ``ray-ep bench`` / ``python -m ray_ep.bench``."""
     parser.add_argument("--preset", action="append", choices=sorted(BENCH_PRESETS),
                         help="benchmark preset (repeatable); default: deepseek-v3-prefill on GPUs, tiny on CPU")
-    parser.add_argument("--gpus", type=int, help="GPUs (ranks) on one node; default: all the cluster has")
-    parser.add_argument("--world", type=int, help="ranks (CPU workers when there is no GPU)")
+    from ..cli import positive_int
+
+    parser.add_argument("--gpus", type=positive_int, help="GPUs (ranks) on one node; default: all the cluster has")
+    parser.add_argument("--world", type=positive_int, help="ranks (CPU workers when there is no GPU)")
     parser.add_argument("--topology", help="NODESxGPUS, e.g. 2x2 (several nodes)")
     parser.add_argument("--backend", default=None,
                         help="comma list of nvshmem,torch (torch = NCCL pipeline on GPUs, gloo on CPU)")
