@@ -195,6 +195,12 @@ class EPConfig(BaseModel):
 
             data = yaml.safe_load(text) or {}
         if isinstance(data, dict) and "ep" in data:
+            # other top-level sections belong to other tools (a Ray job's check: / bench:), but an
+            # EPConfig field beside ep: would be dropped without a word
+            stray = sorted(k for k in data if k in cls.model_fields or k == "preset")
+            if stray:
+                raise ValueError(f"{path}: {', '.join(stray)} sit beside 'ep:' and would be ignored; "
+                                 f"move them under 'ep:'")
             data = data["ep"]
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of EPConfig fields (at the top or under 'ep:'), "

@@ -508,3 +508,12 @@ def test_booleans_are_not_numbers(field, value):
 def test_timeouts_are_finite_and_bounded(field, value):
     with pytest.raises(pydantic.ValidationError, match=field):
         EPConfig.preset("tiny", **{field: value})
+
+
+def test_fields_beside_ep_are_an_error(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("ep:\n  preset: tiny\nhidden_size: 256\ncheck:\n  rounds: 1\n")
+    with pytest.raises(ValueError, match="hidden_size sit beside 'ep:'"):
+        EPConfig.from_file(path)
+    path.write_text("ep:\n  preset: tiny\ncheck:\n  rounds: 1\n")  # another tool's section is fine
+    assert EPConfig.from_file(path).hidden_size == 128
