@@ -246,8 +246,12 @@ class EPCluster:
         return self._need_group().execute("device_info")
 
     def health(self) -> list[bool]:
-        """Whether each worker answers a ping."""
-        return self._need_group().health()
+        """Whether each rank can serve: it answers a ping and the group has not failed (a dead
+        rank, a call past its timeout, a silent peer or a broken collective leave the ranks out
+        of step: then every rank reports False until the group is rebuilt)."""
+        group = self._need_group()
+        ok = group.health()
+        return ok if group.alive else [False] * len(ok)
 
     def buffer_plan(self):
         return plan_buffers(self.config)

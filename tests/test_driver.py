@@ -19,7 +19,7 @@ import ray
 import torch
 
 from ray_ep import EPCluster, EPConfig, reference
-from ray_ep.errors import EPClusterError, EPInputError, EPStateError, EPWorkerError
+from ray_ep.errors import EPClusterError, EPInputError, EPStateError, EPTimeoutError, EPWorkerError
 from ray_ep.inputs import make_inputs
 from ray_ep.weights import ExpertWeights, init_expert_weights
 from ray_ep.routing import route
@@ -635,7 +635,7 @@ def test_dead_worker_fails_the_cluster(ray_session):
                      lambda: ep.run(_raise_everywhere)):
             with pytest.raises(EPStateError, match="unusable"):
                 call()
-        assert ep.health() == [True, False]
+        assert ep.health() == [False, False]  # a failed group serves nothing, whichever rank died
     finally:
         ep.shutdown()
     with pytest.raises(EPStateError, match="not running"):
@@ -762,5 +762,24 @@ def test_memory_plan_refuses_experts_that_do_not_fit(ray_session):
         with pytest.raises(EPClusterError):
             ep.check(num_tokens=1)
         assert all(ep.health())
+    finally:
+        ep.shutdown()
+
+
+def _silent_peer_on_rank_1(worker):
+    if worker.rank == 1:
+        raise EPTimeoutError("rank 1: dispatch timed out waiting for ranks [0], which never signalled")
+    return "ok"
+
+
+def test_a_timeout_in_a_worker_fails_the_group(ray_session):
+    # after a silent peer the ranks are out of step: no "healthy but broken" group
+    ep = EPCluster(EPConfig.preset("tiny", gpus_per_node=2)).start()
+    try:
+        with pytest.raises(EPTimeoutError, match="never signalled"):
+            ep.run(_silent_peer_on_rank_1)
+        assert ep.health() == [False, False]
+        with pytest.raises(EPStateError, match="EPTimeoutError during 'run' on rank 1"):
+            ep.check(num_tokens=4)
     finally:
         ep.shutdown()

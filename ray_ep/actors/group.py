@@ -37,9 +37,11 @@ Failure model (docs/design.md, "Ray")
     A start-up failure tears everything down (actors killed, placement group removed) and
     raises. A dead rank, or a call that runs past its timeout (the ranks are then out of step),
     marks the group failed: every later call raises :class:`EPStateError`, because NVSHMEM
-    state cannot be patched; rebuild with ``shutdown()`` then ``start()``. An exception raised
-    by a worker method is re-raised on the driver as its own type (a ``ValueError`` in a
-    worker is a ``ValueError`` here) and leaves the group usable.
+    state cannot be patched; rebuild with ``shutdown()`` then ``start()``. So does a worker
+    that raises EPTimeoutError (a silent peer) or a DistBackendError (a broken collective).
+    Any other exception raised by a worker
+    method is re-raised on the driver as its own type (a ``ValueError`` in a worker is a
+    ``ValueError`` here) and leaves the group usable.
 """
 
 from __future__ import annotations
@@ -121,6 +123,18 @@ class _Placement:
     node_ip: str
     gpu_ids: tuple[str, ...]
     pid: int
+
+
+def _breaks_the_group(exc: object) -> bool:
+    """Errors after which the ranks are out of step: a receive that timed out on a silent peer
+    (EPTimeoutError) or a collective of the process group that failed (DistBackendError)."""
+    if isinstance(exc, EPTimeoutError):
+        return True
+    try:
+        from torch.distributed import DistBackendError
+    except ImportError:
+        return False
+    return isinstance(exc, DistBackendError)
 
 
 class _State(enum.Enum):
@@ -692,6 +706,10 @@ class EPWorkerGroup:
             exc: BaseException = err
             if isinstance(cause, BaseException) and not isinstance(err, type(cause)):
                 exc = err.as_instanceof_cause()
+            if _breaks_the_group(cause):
+                # a peer stayed silent or a collective broke: the ranks are out of step (epochs,
+                # process group), so no later call can succeed; say so instead of looking healthy
+                self._fail(f"{type(cause).__name__} during {what} on rank {rank}")
             others = sorted(set(task_errors) - {rank})
             note = f"raised by {what} on {self._label(rank)}"
             if others:
@@ -745,7 +763,8 @@ class EPWorkerGroup:
 
         The ping runs in its own concurrency group, so a busy rank still answers: this
         checks liveness, not progress (call timeouts catch hung methods). A dead rank marks
-        the group failed.
+        the group failed. (Whether the group can still serve is :attr:`alive`; the driver's
+        ``EPCluster.health`` combines both.)
         """
         if self._state in (_State.NEW, _State.SHUTDOWN):
             raise EPStateError(f"the group is {self._state.value}; nothing to check")
