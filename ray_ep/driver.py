@@ -253,6 +253,11 @@ class EPCluster:
         ok = group.health()
         return ok if group.alive else [False] * len(ok)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the group failed and must be rebuilt (see :meth:`health`), else None."""
+        return self._group.failure if self._group is not None else None
+
     def buffer_plan(self):
         return plan_buffers(self.config)
 

@@ -41,7 +41,8 @@ def check_tensor(name: str, t: object, *, dims: int | None = None, shape: Sequen
                  dtypes: Sequence[torch.dtype] | None = None, device: torch.device | str | None = None,
                  contiguous: bool = False, inner_contiguous: bool = False) -> None:
     """Raise EPInputError naming ``name`` when ``t`` is not the tensor a launcher needs."""
-    check_dense(name, t)
+    if not isinstance(t, torch.Tensor):
+        raise EPInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dims is not None and t.dim() != dims:
         raise EPInputError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
     if shape is not None and tuple(t.shape) != tuple(shape):
@@ -51,6 +52,7 @@ def check_tensor(name: str, t: object, *, dims: int | None = None, shape: Sequen
         raise EPInputError(f"{name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
     if device is not None and not same_device(t.device, device):
         raise EPInputError(f"{name} must be on {torch.device(device)}, got {t.device}")
+    check_dense(name, t)  # after the device: a meta tensor is first of all on the wrong device
     if contiguous and not t.is_contiguous():
         raise EPInputError(f"{name} must be contiguous (call .contiguous())")
     if inner_contiguous and t.dim() >= 1 and t.numel() and t.stride(-1) != 1:

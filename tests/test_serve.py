@@ -437,7 +437,8 @@ def test_checkpoint_server_then_a_dead_worker(serve_port, tmp_path_factory):
         while (r := requests.get(url + "/health", timeout=30)).status_code != 503:
             assert time.monotonic() < deadline, "a dead worker never showed in /health"
             time.sleep(0.5)
-        assert r.json()["status"] == "unhealthy" and r.json()["workers"][0] is True
+        assert r.json()["status"] == "unhealthy" and r.json()["workers"] == [False] * WORKERS
+        assert "rank(s) [1]" in r.json()["error"]  # which rank took the group down
         r = post(url, {"prompt_ids": [1, 2], "max_new_tokens": 1})
         assert r.status_code == 503 and "restart" in r.json()["error"]
         assert post(url, b"{bad").status_code == 400  # still validating

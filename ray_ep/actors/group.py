@@ -425,6 +425,11 @@ class EPWorkerGroup:
         return self._state is _State.RUNNING
 
     @property
+    def failure(self) -> str | None:
+        """Why the group failed (a dead rank, a timed-out call, a broken collective), else None."""
+        return self._failure if self._state is _State.FAILED else None
+
+    @property
     def contexts(self) -> list[WorkerContext]:
         """The WorkerContext of every rank, in rank order."""
         self._check_started()

@@ -465,6 +465,8 @@ class MoEServer:
         except Exception as e:  # noqa: BLE001
             return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}, status_code=503)
         body = {"status": "ok" if all(ok) else "unhealthy", "workers": ok, "backend": self.cluster.backend}
+        if self.cluster.failure:
+            body["error"] = self.cluster.failure
         return JSONResponse(body, status_code=200 if all(ok) else 503)
 
     async def _stats(self, request):
