@@ -118,10 +118,12 @@ def swiglu_torch(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: to
     M, F = _check_swiglu(h_M2F, row_ids_M, total_rows, out)
     if out is None:
         out = torch.zeros(M, F, dtype=torch.bfloat16, device=h_M2F.device)
-    h = h_M2F.float()
+    # only the rows that arrived: the CPU backend runs this twin, and a capacity-sized pass
+    # (max_recv_rows, millions of rows at a large max_tokens_per_rank) would cost seconds per
+    # layer for a handful of tokens. Reading the count is a host sync, free on a CPU.
+    n = min(M, int(total_rows[0]))
+    h = h_M2F[:n].float()
     a = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]).to(torch.bfloat16)
-    rows = torch.arange(M, device=h_M2F.device)
-    real = (rows < total_rows.to(torch.int64)) & (row_ids_M >= 0)
-    # torch.where keeps even the twin free of host syncs
-    out.copy_(torch.where(real[:, None], a, out))
+    real = row_ids_M[:n] >= 0
+    out[:n] = torch.where(real[:, None], a, out[:n])
     return out
