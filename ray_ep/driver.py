@@ -318,9 +318,9 @@ class EPCluster:
                              f"({format_bytes(host_need)} each), {format_bytes(avail)} is available")
         if short:
             raise EPClusterError(
-                f"not enough memory for {what}: " + "; ".join(short) + ". Use a smaller preset or max_tokens_per_rank, "
-                f"fewer ranks per host, or GPUs (`ray-ep plan` shows the plan); check_memory=False "
-                f"(CLI: --no-memory-check) tries anyway")
+                f"not enough memory for {what}: " + "; ".join(short) + ". Use a smaller preset or "
+                "max_tokens_per_rank, fewer ranks per host, or GPUs (`ray-ep plan` shows the plan); "
+                "check_memory=False (CLI: --no-memory-check) tries anyway")
 
     def call_workers(self, method: str, *args: Any, call_timeout_s: float | None = None, **kwargs: Any) -> list:
         """Advanced: call an :class:`~ray_ep.actors.worker.EPWorker` method on every rank

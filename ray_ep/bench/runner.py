@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import ray
 from tqdm import tqdm
 
-from ..config import EPConfig, parse_topology
+from ..config import EPConfig
 from ..driver import EPCluster
 from .loops import row_bytes, run_row
 
@@ -42,8 +42,6 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
 BACKEND_LABELS = {"nvshmem": "ray_ep", "torch": "nccl-pipeline"}
 CPU_BACKEND_LABELS = {"torch": "gloo-pipeline"}
 PLOT_NEEDS = "--plot needs matplotlib: pip install 'ray-ep[plot]'"
-INTERRUPT_GRACE_S = 3.0
-"""After Ctrl-C, how long the workers get to shut down cleanly before they are killed."""
 
 
 def backend_label(backend: str, gpu_workers: bool) -> str:
@@ -287,11 +285,9 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
 class _Progress:
     """The progress line on stderr: the case about to run, cases done, elapsed and remaining time
     (tqdm's estimate). A thread redraws it every second, so the clock moves during a long case
-    (the first one compiles the kernels). :meth:`start` is called before every case, so it also
-    stops the run (KeyboardInterrupt) once ``stop`` is set."""
+    (the first one compiles the kernels)."""
 
-    def __init__(self, total: int, enabled: bool, stop: threading.Event | None = None):
-        self.stop = stop
+    def __init__(self, total: int, enabled: bool):
         self.total, self.done_cases, self.t0 = total, 0, time.monotonic()
         # a terminal gets the redrawn bar; a log file or pipe one plain line per case (no \r noise)
         tty = enabled and sys.stderr.isatty()
@@ -309,9 +305,7 @@ class _Progress:
             self.bar.refresh()
 
     def start(self, what: str) -> None:
-        """Show the case that is about to run (or stop here: Ctrl-C in run_from_args)."""
-        if self.stop is not None and self.stop.is_set():
-            raise KeyboardInterrupt
+        """Show the case that is about to run."""
         if self.plain:
             print(f"ray-ep bench: [{self.done_cases}/{self.total} cases, {time.monotonic() - self.t0:.0f} s] {what}",
                   file=sys.stderr, flush=True)
@@ -356,16 +350,14 @@ def _meta(cluster: EPCluster, iters: int) -> dict:
 def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[str] | None = None,
               tokens: Sequence[int] | None = None, routing: Sequence[str] = ("uniform",), iters: int = 50,
               warmup: int = 5, num_sms: int | None = None, fused: bool = True, layer: bool = False,
-              baselines: bool = True, progress: bool = True, seed: int = 0,
-              stop: threading.Event | None = None) -> BenchResult:
+              baselines: bool = True, progress: bool = True, seed: int = 0) -> BenchResult:
     """Benchmark ``presets`` (names of BENCH_PRESETS) on a started cluster.
 
     backends: ``nvshmem`` (ray_ep's kernels) and/or ``torch`` (the NCCL / gloo pipeline);
     default: the cluster's backend, plus ``torch`` as the baseline on GPUs. tokens: a sweep
     of tokens per rank (default: the preset's). ``layer`` adds whole-MoE-layer rows (loads
     seeded experts). ``baselines`` adds raw all_to_all and the peer copy (GPUs only).
-    ``progress``: a progress line on stderr. ``stop``: once set, the run raises KeyboardInterrupt
-    before its next case.
+    ``progress``: a progress line on stderr.
     """
     for p in presets:
         if p not in BENCH_PRESETS:
@@ -389,8 +381,7 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
                 for rt in routing:
                     for T in sweep:
                         plan.append((p, dt, b, rt, T))
-    bar = _Progress(len(plan) * (2 if layer else 1) + (len(presets) + 1 if baselines and on_gpu else 0), progress,
-                    stop)
+    bar = _Progress(len(plan) * (2 if layer else 1) + (len(presets) + 1 if baselines and on_gpu else 0), progress)
     try:
         for p in presets:
             _run_preset(cluster, result, bar, p, [c for c in plan if c[0] == p], tokens=tokens, iters=iters,
@@ -523,71 +514,6 @@ def _mute_ray_ep_logs() -> None:
     logging.getLogger("ray_ep").setLevel(logging.CRITICAL + 1)
 
 
-def _kill(cluster: EPCluster) -> None:
-    """Kill the workers (and the Ray this cluster started) without a clean shutdown; idempotent."""
-    try:
-        cluster.shutdown(kill=True)
-    except Exception as e:
-        print(f"ray-ep bench: while killing the workers: {type(e).__name__}: {e}", file=sys.stderr)
-
-
-def _stop_workers(cluster: EPCluster, grace_s: float) -> None:
-    """A clean worker shutdown if it ends within ``grace_s`` (the workers first finish the row
-    they are in), else kill them."""
-    try:
-        cluster.call_workers("shutdown", call_timeout_s=grace_s)
-    except BaseException:  # timed out (ranks busy or stuck in a collective), a failed group, Ctrl-C again
-        _kill(cluster)
-
-
-def _run_interruptible(cluster: EPCluster, **kwargs: Any) -> BenchResult:
-    """run_bench in a thread, so that Ctrl-C reaches this (main) thread at once: Python raises
-    KeyboardInterrupt only when the main thread runs Python code, and the driver's waits on the
-    workers (ray.wait in EPWorkerGroup) stay in Ray's C++ until a rank answers, which can take
-    the whole first case. On Ctrl-C the run stops before its next case; a row that does not end
-    within INTERRUPT_GRACE_S is cut short by killing the workers. Then KeyboardInterrupt."""
-    stop, finished = threading.Event(), threading.Event()
-    box: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            box["result"] = run_bench(cluster, stop=stop, **kwargs)
-        except BaseException as e:
-            box["error"] = e
-        finally:
-            finished.set()
-
-    # waits on an Event, not Thread.join: a join cut by Ctrl-C can leave is_alive() False (Python < 3.12)
-    threading.Thread(target=work, name="ray_ep-bench", daemon=True).start()
-    try:
-        while not finished.wait(0.2):
-            pass
-    except KeyboardInterrupt:
-        _mute_ray_ep_logs()
-        stop.set()
-        deadline = time.monotonic() + INTERRUPT_GRACE_S
-        try:
-            while not finished.wait(0.1) and time.monotonic() < deadline:
-                pass
-        except KeyboardInterrupt:  # a second Ctrl-C: kill now
-            pass
-        if not finished.is_set():  # still inside a row: killing the workers ends its wait
-            try:
-                for h in cluster.actors:
-                    ray.kill(h, no_restart=True)
-            except Exception:  # already dead, or the group is gone: the caller's teardown kills the rest
-                pass
-            finished.wait(10)
-        raise
-    if isinstance(box.get("error"), KeyboardInterrupt):  # raised inside run_bench
-        _mute_ray_ep_logs()
-        _stop_workers(cluster, INTERRUPT_GRACE_S)
-        raise box["error"]
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
-
-
 def run_from_args(args) -> int:
     import torch
 
@@ -616,17 +542,19 @@ def run_from_args(args) -> int:
             print(f"ray-ep bench: starting {cfg.world_size} workers ({n_nodes}x{per_node}, "
                   f"{'GPU' if gpus else 'CPU'}) ...", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        with ep:  # a Ctrl-C during start(): start() tears down what it started
+        # the driver's waits on the workers poll every 0.5 s, so Ctrl-C lands here mid-row; leaving
+        # the `with` on a KeyboardInterrupt kills the workers (no collective shutdown behind the row)
+        with ep:
             if progress:
                 print(f"ray-ep bench: workers up in {time.monotonic() - t0:.1f} s, backend {ep.backend}",
                       file=sys.stderr, flush=True)
-            res = _run_interruptible(ep, presets=presets, backends=backends, tokens=tokens,
+            res = run_bench(ep, presets=presets, backends=backends, tokens=tokens,
                                      routing=args.routing.split(","), iters=args.iters, warmup=args.warmup,
                                      num_sms=args.num_sms, fused=not args.split, layer=args.layer,
                                      baselines=not args.no_baselines, progress=progress)
     except KeyboardInterrupt:
         _mute_ray_ep_logs()
-        _kill(ep)  # whatever a Ctrl-C inside start() or shutdown() left
+        ep.shutdown(kill=True)  # idempotent: whatever a Ctrl-C inside start() or shutdown() left
         print("ray-ep bench: interrupted; workers stopped", file=sys.stderr, flush=True)
         return 130
     finally:
