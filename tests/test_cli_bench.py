@@ -59,7 +59,8 @@ def test_check_tiny_world_4(ray_session, capsys):
 def test_bench_cli_torch_tiny_world_2(ray_session, tmp_path, capsys):
     js, png = tmp_path / "b.json", tmp_path / "b.png"
     rc = cli.main(["bench", "--backend", "torch", "--preset", "tiny", "--world", "2", "--iters", "3", "--warmup", "1",
-                   "--tokens", "8,32", "--routing", "uniform,skewed", "--json", str(js), "--plot", str(png), "--quiet"])
+                   "--tokens", "8,32", "--routing", "uniform,skewed", "--json", str(js), "--plot", str(png), "--quiet",
+                   "--num-sms", "4,all"])
     assert rc == 0
     captured = capsys.readouterr()
     out = captured.out
@@ -67,7 +68,8 @@ def test_bench_cli_torch_tiny_world_2(ray_session, tmp_path, capsys):
     assert "gloo-pipeline" in out and "nccl-pipeline" not in out and "dispatch" in out and "combine" in out
     assert "starting" not in captured.err and "cases" not in captured.err  # --quiet: no progress
     data = json.loads(js.read_text())
-    # 2 dtypes x 2 routings x 2 token counts x (dispatch, combine)
+    # 2 dtypes x 2 routings x 2 token counts x (dispatch, combine); the pipeline has no SM
+    # budget, so a sweep of budgets runs it once
     assert len(data["rows"]) == 16
     assert {r["backend"] for r in data["rows"]} == {"gloo-pipeline"}
     assert data["meta"]["world_size"] == 2 and "torch" in data["meta"]["versions"]
@@ -76,6 +78,20 @@ def test_bench_cli_torch_tiny_world_2(ray_session, tmp_path, capsys):
         assert row["check_error"] < 2e-2 and row["misplaced_rows"] == 0
         assert row["p10_us"] <= row["p90_us"]
     assert png.stat().st_size > 1000
+
+
+def test_sm_budget_sweep_flag():
+    assert runner.sm_budgets("24") == [24]
+    assert runner.sm_budgets("16, 24,all") == [16, 24, None]
+
+
+@pytest.mark.parametrize("value", ["0", "-4", "24,x", "2.5"])
+def test_bad_sm_budget_is_one_line(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--num-sms", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "SM budgets are positive integers or 'all'" in err and "Traceback" not in err
 
 
 def test_aggregate_takes_the_slowest_rank():

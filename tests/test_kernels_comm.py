@@ -408,6 +408,15 @@ def test_three_rounds(R, dispatch, combine, align):
                 assert ws.counters.tolist() == [0, 0, 0, 0] and int(ws.status.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("R", [2, 4])
+def test_rows_with_many_local_experts(R):
+    """Top-8 over 8 experts per rank: many received rows carry more than 4 local experts, and the
+    combine must sum all of them (the other cases have at most top-4)."""
+    cfg = make_cfg(R, "bf16", "fp32", top_k=8)
+    inp = make_round(cfg, tokens_for(R, 7), seed=77, routing="skewed")
+    run_round(cfg, sims_for(cfg), inp)
+
+
 # ---- several nodes: ranks on other nodes get puts of staged rows ------------------------------
 # In the interpreter a put is a byte copy through the peer table (kernels/_shmem.py); compiled,
 # it is NVSHMEM's device library, which needs an NVSHMEM job: tests/test_gpu.py runs it on GPUs.

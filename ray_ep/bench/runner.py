@@ -10,6 +10,7 @@ splits, and the copy-engine peer copy of one GPU pair.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -349,13 +350,14 @@ def _meta(cluster: EPCluster, iters: int) -> dict:
 
 def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[str] | None = None,
               tokens: Sequence[int] | None = None, routing: Sequence[str] = ("uniform",), iters: int = 50,
-              warmup: int = 5, num_sms: int | None = None, fused: bool = True, layer: bool = False,
-              baselines: bool = True, progress: bool = True, seed: int = 0) -> BenchResult:
+              warmup: int = 5, num_sms: int | Sequence[int | None] | None = None, fused: bool = True,
+              layer: bool = False, baselines: bool = True, progress: bool = True, seed: int = 0) -> BenchResult:
     """Benchmark ``presets`` (names of BENCH_PRESETS) on a started cluster.
 
     backends: ``nvshmem`` (ray_ep's kernels) and/or ``torch`` (the NCCL / gloo pipeline);
     default: the cluster's backend, plus ``torch`` as the baseline on GPUs. tokens: a sweep
-    of tokens per rank (default: the preset's). ``layer`` adds whole-MoE-layer rows (loads
+    of tokens per rank (default: the preset's). ``num_sms``: an SM budget of the communication
+    kernels, or a list of budgets (a sweep; None = all SMs). ``layer`` adds whole-MoE-layer rows (loads
     seeded experts). ``baselines`` adds raw all_to_all and the peer copy (GPUs only).
     ``progress``: a progress line on stderr.
     """
@@ -369,7 +371,7 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
     if "nvshmem" in backends and not on_gpu:
         raise ValueError("the nvshmem backend needs a GPU cluster; use backends=['torch']")
     result = BenchResult(meta=_meta(cluster, iters))
-    sms_label = str(num_sms or result.meta.get("sms") or "-")
+    budgets = list(num_sms) if isinstance(num_sms, (list, tuple)) else [num_sms]
     gpu_workers = result.meta["device"] != "cpu"  # the torch backend runs over NCCL there, else gloo
     base = cluster.config
     plan = []
@@ -380,13 +382,15 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
             for b in backends:
                 for rt in routing:
                     for T in sweep:
-                        plan.append((p, dt, b, rt, T))
+                        # the torch pipeline has no SM budget: it runs once, not per budget
+                        for sms in (budgets if b == "nvshmem" else [None]):
+                            plan.append((p, dt, b, rt, T, sms))
     bar = _Progress(len(plan) * (2 if layer else 1) + (len(presets) + 1 if baselines and on_gpu else 0), progress)
     try:
         for p in presets:
             _run_preset(cluster, result, bar, p, [c for c in plan if c[0] == p], tokens=tokens, iters=iters,
-                        warmup=warmup, num_sms=num_sms, fused=fused, layer=layer, baselines=baselines and on_gpu,
-                        seed=seed, sms_label=sms_label, gpu_workers=gpu_workers)
+                        warmup=warmup, fused=fused, layer=layer, baselines=baselines and on_gpu, seed=seed,
+                        device_sms=result.meta.get("sms"), gpu_workers=gpu_workers)
         if baselines and on_gpu and base.gpus_per_node >= 2:  # a pair on one node
             bar.start("copy-engine peer copy, one GPU pair")
             per_rank = cluster.run(run_row, "peer_copy", nbytes=256 * 2**20, iters=iters, warmup=warmup)
@@ -404,24 +408,28 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
 
 
 def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str, plan: list[tuple], *,
-                tokens, iters: int, warmup: int, num_sms, fused: bool, layer: bool, baselines: bool, seed: int,
-                sms_label: str, gpu_workers: bool) -> None:
-    """The rows of one preset: per dispatch dtype a worker group of its own, dropped afterwards."""
+                tokens, iters: int, warmup: int, fused: bool, layer: bool, baselines: bool, seed: int,
+                device_sms, gpu_workers: bool) -> None:
+    """The rows of one preset: per dispatch dtype and SM budget a worker group of its own,
+    dropped afterwards."""
     spec = BENCH_PRESETS[p]
     base = cluster.config
     n_max = max(list(tokens) if tokens else [spec["tokens"]])
-    for dt in spec["dtypes"]:
+    groups = list(dict.fromkeys((c[1], c[5]) for c in plan))  # (dtype, budget) in plan order
+    first_dt = spec["dtypes"][0]
+    for dt, num_sms in groups:
         cfg = EPConfig.preset(spec["model"], n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node,
                               max_tokens_per_rank=n_max, dispatch_dtype=dt, num_sms=num_sms,
                               recv_timeout_s=base.recv_timeout_s)
-        name = f"bench/{p}/{dt}"
-        bar.start(f"{p} {dt}: allocating buffers")
+        sms_label = str(num_sms or device_sms or "-")
+        name = f"bench/{p}/{dt}/{num_sms or 'all'}"
+        bar.start(f"{p} {dt}{f' at {num_sms} SMs' if num_sms else ''}: allocating buffers")
         cluster.require_memory(cfg, what=f"the {p} {dt} rows", symmetric=True, layers=int(layer), scratch=layer)
         cluster.call_workers("add_group", name, cfg)
         interrupted = False
         try:
-            for (_, ddt, b, rt, T) in plan:
-                if ddt != dt:
+            for (_, ddt, b, rt, T, sms) in plan:
+                if (ddt, sms) != (dt, num_sms):
                     continue
                 labels = dict(preset=p, backend=backend_label(b, gpu_workers), dtype=dt, routing=rt, tokens=T,
                               sms=sms_label if b == "nvshmem" else "-")
@@ -438,7 +446,7 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
                                            routing=rt, seed=seed, iters=iters, warmup=warmup)
                     result.rows.append(aggregate(per_rank, "layer", cfg, row_bytes(cfg, "dispatch"), **labels))
                     bar.done()
-            if baselines and dt == spec["dtypes"][0]:
+            if baselines and (dt, num_sms) == groups[0] and dt == first_dt:
                 bar.start(f"{p}: all_to_all_single, equal splits")
                 per_rank = cluster.run(run_row, "all_to_all", group=name, rows_per_peer=n_max,
                                        iters=iters, warmup=warmup)
@@ -471,7 +479,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--routing", default="uniform", help="comma list of uniform,skewed")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--num-sms", type=int, default=None, help="SM budget of the communication kernels")
+    parser.add_argument("--num-sms", type=sm_budgets, default=None,
+                        help="SM budget of the communication kernels, or a comma list (a sweep, e.g. 16,24,32; "
+                             "'all' = no budget)")
     parser.add_argument("--split", action="store_true", help="time the split send/recv forms instead of fused")
     parser.add_argument("--layer", action="store_true", help="also time whole MoE layers (experts included)")
     parser.add_argument("--no-baselines", action="store_true", help="skip raw all_to_all and the peer copy")
@@ -482,6 +492,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--no-memory-check", action="store_true",
                         help="run even when a preset's memory plan exceeds the free GPU or host memory")
+
+
+def sm_budgets(text: str) -> list[int | None]:
+    """``--num-sms``: '24' or '16,24,all' -> [16, 24, None] (None: every SM)."""
+    out: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "all":
+            out.append(None)
+            continue
+        try:
+            n = int(part)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"SM budgets are positive integers or 'all', got {part!r}")
+        out.append(n)
+    return out
 
 
 def topology_from_args(args, default_world: int) -> tuple[int, int]:
