@@ -59,6 +59,13 @@ def quantize_nvfp4_tile(x, g):
 
 
 @triton.jit
+def wire_row_bytes(H):
+    """Bytes of an nvfp4 wire row of H channels (:func:`ray_ep.config.nvfp4_row_bytes`):
+    H / 2 packed, then H / 16 scales padded to 16 bytes. Example: H 128 -> 64 + 16 = 80."""
+    return H // 2 + (H // 16 + 15) // 16 * 16
+
+
+@triton.jit
 def e2m1_to_f32(code):
     """fp32 values of int32 codes 0..15 (integer ops only: Hopper has no fp4 type).
     Example: 0x5 -> 3.0, 0x9 -> -0.5, 0x8 -> -0.0."""
@@ -68,7 +75,8 @@ def e2m1_to_f32(code):
     # e = 0: 0 or 0.5 (0x3F000000)
     bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * 0x3F000000)
     v = bits.to(tl.float32, bitcast=True)
-    return tl.where(code >= 8, -v, v)
+    # times -1, not unary minus: Triton lowers -v to 0 - v, which turns -0 into +0
+    return tl.where(code >= 8, v * -1.0, v)
 
 
 @triton.jit
