@@ -291,7 +291,8 @@ def check_dispatch(cfg: EPConfig, handles, inp: Round) -> list[reference.RankDis
                 f"{where}: nvfp4 block scales differ from the oracle's"
             deq = reference.dequantize_nvfp4(gathered, scales)
             scale_ch = scales.float().repeat_interleave(NVFP4_BLOCK, dim=1)
-            assert bool(((deq - x_src.float()).abs() <= NVFP4_ERR_IN_SCALES * scale_ch).all()), f"{where}: not its token"
+            err = (deq - x_src.float()).abs()
+            assert bool((err <= NVFP4_ERR_IN_SCALES * scale_ch).all()), f"{where}: not its token"
         else:
             scales = h.scales_rows[row_ids[real].to(h.x_rows.device)].cpu()
             deq = reference.dequantize_fp8(gathered, scales)

@@ -390,8 +390,8 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
     bar = _Progress(len(plan) * (2 if layer else 1) + (len(presets) + 1 if baselines and on_gpu else 0), progress)
     try:
         for p in presets:
-            _run_preset(cluster, result, bar, p, [c for c in plan if c[0] == p], dtypes=list(dtypes or BENCH_PRESETS[p]["dtypes"]),
-                        tokens=tokens, iters=iters,
+            _run_preset(cluster, result, bar, p, [c for c in plan if c[0] == p],
+                        dtypes=list(dtypes or BENCH_PRESETS[p]["dtypes"]), tokens=tokens, iters=iters,
                         warmup=warmup, num_sms=num_sms, fused=fused, layer=layer, baselines=baselines and on_gpu,
                         seed=seed, sms_label=sms_label, gpu_workers=gpu_workers)
         if baselines and on_gpu and base.gpus_per_node >= 2:  # a pair on one node
@@ -411,8 +411,8 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
 
 
 def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str, plan: list[tuple], *,
-                dtypes: list[str], tokens, iters: int, warmup: int, num_sms, fused: bool, layer: bool, baselines: bool, seed: int,
-                sms_label: str, gpu_workers: bool) -> None:
+                dtypes: list[str], tokens, iters: int, warmup: int, num_sms, fused: bool, layer: bool,
+                baselines: bool, seed: int, sms_label: str, gpu_workers: bool) -> None:
     """The rows of one preset: per dispatch dtype a worker group of its own, dropped afterwards."""
     spec = BENCH_PRESETS[p]
     base = cluster.config

@@ -6,8 +6,8 @@ H hidden, N = N_max, M = expert-major rows (capacity: EPConfig.max_recv_rows).
 
 Send (per source rank ``me``): for every token t and destination d with
 ``token_slots[t, d] = i >= 0``, store its row (bf16; fp8 quantised once in registers plus
-scales; or an nvfp4 wire row: packed codes and block scales in one row of bytes) and its meta row (K expert ids, K ordinals, K weights) at row ``me * N + i``
-of d's ``dispatch.recv`` buffers, through d's base address. The last program then writes
+scales; or an nvfp4 wire row: packed codes and block scales in one row of bytes) and its
+meta row (K expert ids, K ordinals, K weights) at row ``me * N + i`` of d's ``dispatch.recv`` buffers, through d's base address. The last program then writes
 d's ``counts[me] = [rows for d, rows for each of d's experts]`` and releases d's
 ``signal[me] = epoch + 1`` (see ``_sync``).
 
@@ -458,7 +458,8 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
                 bases_ptr=bases if bases is not None else ws.totals,  # read only when OWN_LAYOUT is FROM_BASES
                 send_counter_ptr=ws.counters[COUNTER_DISPATCH_SEND:], T=x_TH.shape[0], H=cfg.hidden_size,
                 ranks_per_node=cfg.gpus_per_node, **bufs.dispatch.send_args(), **_common_args(cfg, bufs, ws))
-    meta = dict(FP8=cfg.dispatch_dtype == "fp8", NVFP4=cfg.dispatch_dtype == "nvfp4", BT=bt, BLOCK_H=bh, OWN_LAYOUT=int(how),
+    meta = dict(FP8=cfg.dispatch_dtype == "fp8", NVFP4=cfg.dispatch_dtype == "nvfp4", BT=bt, BLOCK_H=bh,
+                OWN_LAYOUT=int(how),
                 CH=64 if interpreted() else 32, SB=block_tokens(), **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
 
