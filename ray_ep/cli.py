@@ -77,7 +77,7 @@ def _topology_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=positive_int, help="ranks on one node (GPUs)")
     p.add_argument("--world", type=positive_int, help="ranks on one node (alias of --gpus, for CPU workers)")
     p.add_argument("--topology", help="NODESxGPUS, e.g. 2x4")
-    p.add_argument("--dispatch-dtype", dest="dispatch_dtype", choices=["bf16", "fp8"])
+    p.add_argument("--dispatch-dtype", dest="dispatch_dtype", choices=["bf16", "fp8", "nvfp4"])
     p.add_argument("--max-tokens", dest="max_tokens_per_rank", type=int, help="max_tokens_per_rank (N_max)")
 
 

@@ -22,9 +22,25 @@ MAX_GPUS_PER_NODE = 8
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 FP8_GROUP = 128  # channels per fp32 scale in fp8 dispatch
 FP8_MAX = 448.0  # largest finite float8_e4m3fn: the amax of each group maps onto it
+NVFP4_BLOCK = 16  # channels per e4m3 block scale in nvfp4 dispatch (NVIDIA's NVFP4 block size)
+E2M1_MAX = 6.0  # largest e2m1 (fp4) magnitude: each block's amax maps onto it
+# The per-tensor fp32 scale of nvfp4 dispatch: fixed, so the send needs no pass over the
+# whole tensor and receivers need no per-source field. With 1.0 a block's e4m3 scale
+# amax / 6 keeps full precision for block amaxes from 6 * 2^-6 = 0.094 to 6 * 448 = 2688.
+NVFP4_GLOBAL_SCALE = 1.0
 ALIGN_BYTES = 128  # every sub-buffer starts on this boundary (16 B vector access, cache lines)
 
-DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp32": 4, "int32": 4, "int64": 8}
+DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp32": 4, "int32": 4, "int64": 8, "u8": 1}
+
+
+def nvfp4_row_bytes(H: int) -> int:
+    """Bytes of one nvfp4 wire row of H channels: H / 2 bytes of packed e2m1 codes, then the
+    H / 16 e4m3 block scales, padded to 16 bytes (so every row starts 16-byte aligned).
+
+    >>> nvfp4_row_bytes(7168), nvfp4_row_bytes(128)
+    (4032, 80)
+    """
+    return H // 2 + -(-(H // NVFP4_BLOCK) // 16) * 16
 
 
 def parse_topology(text: str) -> tuple[int, int]:
@@ -69,8 +85,10 @@ class EPConfig(BaseModel):
     """Nodes (hosts) of the group."""
     gpus_per_node: int = Field(default=1, gt=0)
     """Ranks per node: GPUs per node, or CPU workers per node on the torch backend."""
-    dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
-    """Row format on the wire for dispatch: bf16, or fp8 e4m3 with one fp32 scale per 128 channels."""
+    dispatch_dtype: Literal["bf16", "fp8", "nvfp4"] = "bf16"
+    """Row format on the wire for dispatch: bf16; fp8 e4m3 with one fp32 scale per 128 channels;
+    or nvfp4: e2m1 values packed two per byte with one e4m3 scale per 16 channels (and a fixed
+    per-tensor scale of 1), see :mod:`ray_ep.nvfp4`."""
     combine_dtype: Literal["bf16", "fp32"] = "bf16"
     """Row format of expert outputs on the wire for combine (fp32 for exactness checks)."""
     expert_alignment: int = Field(default=1, gt=0)
@@ -149,13 +167,21 @@ class EPConfig(BaseModel):
                 f"dispatch_dtype 'fp8' needs hidden_size % {FP8_GROUP} == 0 (one scale per "
                 f"{FP8_GROUP} channels), got hidden_size = {self.hidden_size}; use bf16 or pad H"
             )
+        if self.dispatch_dtype == "nvfp4" and self.hidden_size % NVFP4_BLOCK != 0:
+            raise ValueError(
+                f"dispatch_dtype 'nvfp4' needs hidden_size % {NVFP4_BLOCK} == 0 (one e4m3 scale per "
+                f"{NVFP4_BLOCK} channels), got hidden_size = {self.hidden_size}; use bf16 or pad H"
+            )
         for field, dtype in (("dispatch_dtype", self.dispatch_dtype), ("combine_dtype", self.combine_dtype)):
-            row_bytes = self.hidden_size * DTYPE_BYTES[dtype]
+            # nvfp4: the packed values (half a byte per channel) start each wire row
+            row_bytes = self.hidden_size // 2 if dtype == "nvfp4" else self.hidden_size * DTYPE_BYTES[dtype]
+            multiple = 32 if dtype == "nvfp4" else 16 // DTYPE_BYTES[dtype]
             if row_bytes % 16 != 0:
+                what = "the packed values of a row" if dtype == "nvfp4" else "a row"
                 raise ValueError(
-                    f"a row of hidden_size = {self.hidden_size} in {field} '{dtype}' is {row_bytes} "
+                    f"{what} of hidden_size = {self.hidden_size} in {field} '{dtype}' is {row_bytes} "
                     f"bytes; rows must be a multiple of 16 bytes for vector access: make "
-                    f"hidden_size a multiple of {16 // DTYPE_BYTES[dtype]}"
+                    f"hidden_size a multiple of {multiple}"
                 )
         if self.expert_alignment & (self.expert_alignment - 1):
             raise ValueError(
@@ -289,12 +315,14 @@ def plan_buffers(cfg: EPConfig) -> BufferPlan:
     """
     R, N, H, K, L = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden_size, cfg.top_k, cfg.experts_per_rank
     fp8 = cfg.dispatch_dtype == "fp8"
+    # an nvfp4 row is bytes: packed values then block scales (nvfp4_row_bytes); others a typed row
+    row, x_dtype = ((nvfp4_row_bytes(H),), "u8") if cfg.dispatch_dtype == "nvfp4" else ((H,), cfg.dispatch_dtype)
     specs: list[tuple[str, tuple[int, ...], str]] = [
         # *.send: staging of the rows (and counts) put to ranks on other nodes (NVSHMEM puts)
-        ("dispatch.send.x", (N, H), cfg.dispatch_dtype),
+        ("dispatch.send.x", (N, *row), x_dtype),
         ("dispatch.send.meta", (N, 3 * K), "int32"),
         ("dispatch.send.counts", (R, L + 1), "int32"),
-        ("dispatch.recv.x", (R, N, H), cfg.dispatch_dtype),
+        ("dispatch.recv.x", (R, N, *row), x_dtype),
         ("dispatch.recv.meta", (R, N, 3 * K), "int32"),
         # per source: [rows sent, rows for each local expert]
         ("dispatch.recv_count.counts", (R, L + 1), "int32"),

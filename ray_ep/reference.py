@@ -5,8 +5,9 @@ H hidden size, F expert intermediate size, M expert-major rows received by a ran
 
 Everything here favours obviousness over speed: loops over ranks and experts, fp32 math.
 Backends and kernels are checked against these functions; the library itself never calls
-them (only ``check``, whose job is comparing with this oracle). Its fp8 rounding is written
-here again on purpose, apart from :mod:`ray_ep.fp8`, so the two check each other.
+them (only ``check``, whose job is comparing with this oracle). Its fp8 and nvfp4 roundings
+are written here again on purpose, apart from :mod:`ray_ep.fp8` and :mod:`ray_ep.nvfp4`, so
+the two check each other.
 
 Conventions shared with the kernels:
 - topk ids are global expert ids; ``-1`` marks an unused slot (that slot is skipped).
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import FP8_GROUP, FP8_MAX, EPConfig
+from .config import E2M1_MAX, FP8_GROUP, FP8_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_SCALE, EPConfig
 from .weights import ExpertWeights
 
 
@@ -57,6 +58,49 @@ def dequantize_fp8(q_TH: torch.Tensor, scales_TG: torch.Tensor) -> torch.Tensor:
     return g.reshape(T, H)
 
 
+# ---- nvfp4 ---------------------------------------------------------------------------------
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)  # by code
+
+
+def quantize_nvfp4(x_TH: torch.Tensor, global_scale: float = NVFP4_GLOBAL_SCALE) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4: e2m1 values, one e4m3 scale per 16 channels, per-tensor fp32 scale ``g``.
+
+    Per block: ``s = e4m3(amax / (6 g))`` (saturating at 448), then each value's magnitude
+    ``|x| * (1 / (s g))`` goes to the nearest e2m1 grid point at most 6, a tie to the point
+    with the even code; the sign bit of x is the code's bit 3. Returns q [T, H / 2] uint8
+    (channel 2i in the low nibble of byte i) and scales [T, H / 16] float8_e4m3fn.
+    """
+    T, H = x_TH.shape
+    b = x_TH.float().reshape(T, H // NVFP4_BLOCK, NVFP4_BLOCK)
+    amax = b.abs().amax(dim=-1)
+    g = torch.full_like(amax, global_scale)
+    six = torch.full_like(amax, E2M1_MAX)
+    scales = (amax / (six * g)).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    d = scales.float() * g
+    # tensor / tensor for the IEEE reciprocal, as the kernel (0 where the scale is 0)
+    inv = torch.where(d > 0, torch.ones_like(d) / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    v = (b.abs() * inv[..., None]).double().clamp(max=E2M1_MAX)  # in [0, 6]: distances exact in fp64
+    dist = (v[..., None] - E2M1_GRID).abs()
+    nearest = dist == dist.min(dim=-1, keepdim=True).values  # one point, or two at a tie
+    even = nearest & (torch.arange(8) % 2 == 0)
+    code = torch.where(even.any(-1), even.double().argmax(-1), nearest.double().argmax(-1))
+    code = code + 8 * torch.signbit(b).long()
+    pairs = code.reshape(T, H // 2, 2)
+    return (pairs[..., 0] + 16 * pairs[..., 1]).to(torch.uint8), scales
+
+
+def dequantize_nvfp4(q_TP: torch.Tensor, scales_TB: torch.Tensor,
+                     global_scale: float = NVFP4_GLOBAL_SCALE) -> torch.Tensor:
+    """fp32 values [T, H] of nvfp4 rows: ``e2m1(code) * (s * g)``."""
+    T, P = q_TP.shape
+    q = q_TP.long()
+    code = torch.stack([q % 16, q // 16], dim=-1).reshape(T, 2 * P)
+    sign = torch.where(code >= 8, -1.0, 1.0)
+    v = (E2M1_GRID.float()[code % 8] * sign).reshape(T, 2 * P // NVFP4_BLOCK, NVFP4_BLOCK)
+    d = scales_TB.float() * torch.full(scales_TB.shape, global_scale)
+    return (v * d[..., None]).reshape(T, 2 * P)
+
+
 # ---- experts -------------------------------------------------------------------------------
 def swiglu_expert(x_MH: torch.Tensor, w_gate_up_HF2: torch.Tensor, w_down_FH: torch.Tensor) -> torch.Tensor:
     """One SwiGLU expert with the roundings of the kernels: bf16 operands, fp32 accumulation,
@@ -73,9 +117,9 @@ def swiglu_expert(x_MH: torch.Tensor, w_gate_up_HF2: torch.Tensor, w_down_FH: to
 class RankDispatch:
     """What one rank holds after dispatch, laid out expert-major.
 
-    ``x`` [M, H] rows in the dispatch format (bf16, or fp8 with ``scales`` [M, H/128]);
-    unused padding rows are zero. ``row_offsets`` [L+1] int32: rows of local expert i are
-    ``row_offsets[i]:row_offsets[i+1]``. ``num_tokens`` [L] int32: real rows per expert (the
+    ``x`` [M, H] rows in the dispatch format (bf16, or fp8 with ``scales`` [M, H/128]), or
+    for nvfp4 [M, H/2] packed codes with ``scales`` [M, H/16] e4m3; unused padding rows are
+    zero. ``row_offsets`` [L+1] int32: rows of local expert i are ``row_offsets[i]:row_offsets[i+1]``. ``num_tokens`` [L] int32: real rows per expert (the
     rest of a segment is padding). ``src_info`` [M, 3] int32: (source rank, source token,
     top-k slot) of each row, -1 for padding.
     """
@@ -87,7 +131,9 @@ class RankDispatch:
     src_info: torch.Tensor
 
     def dequantized(self) -> torch.Tensor:
-        """Rows as fp32 (dequantised for fp8)."""
+        """Rows as fp32 (dequantised for fp8 and nvfp4)."""
+        if self.x.dtype == torch.uint8:
+            return dequantize_nvfp4(self.x, self.scales)
         return dequantize_fp8(self.x, self.scales) if self.scales is not None else self.x.float()
 
 
@@ -100,12 +146,12 @@ def dispatch_world(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.T
     """Dispatch the tokens of every rank; element r is what rank r receives.
 
     ``xs[r]`` [T_r, H] bf16, ``topk_ids[r]`` [T_r, K] int32. fp8 dispatch quantises each
-    token once on its source rank.
+    token once on its source rank, nvfp4 dispatch too (with the fixed global scale).
     """
     _check_world(cfg, xs, topk_ids)
     R, L, A = cfg.world_size, cfg.experts_per_rank, cfg.expert_alignment
-    fp8 = cfg.dispatch_dtype == "fp8"
-    sent = [quantize_fp8(x) if fp8 else (x, None) for x in xs]
+    quantize = {"fp8": quantize_fp8, "nvfp4": quantize_nvfp4}.get(cfg.dispatch_dtype)
+    sent = [quantize(x) if quantize else (x, None) for x in xs]
     out = []
     for dst in range(R):
         rows: list[list[tuple[int, int, int]]] = [[] for _ in range(L)]  # per local expert
@@ -122,14 +168,18 @@ def dispatch_world(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.T
             offsets.append(offsets[-1] + p)
         M = offsets[-1]
         H = cfg.hidden_size
-        x = torch.zeros(M, H, dtype=sent[0][0].dtype if sent else torch.bfloat16)
-        scales = torch.zeros(M, H // FP8_GROUP, dtype=torch.float32) if fp8 else None
+        if cfg.dispatch_dtype == "nvfp4":
+            x = torch.zeros(M, H // 2, dtype=torch.uint8)
+            scales = torch.zeros(M, H // NVFP4_BLOCK, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        else:
+            x = torch.zeros(M, H, dtype=sent[0][0].dtype if sent else torch.bfloat16)
+            scales = torch.zeros(M, H // FP8_GROUP, dtype=torch.float32) if quantize else None
         src_info = torch.full((M, 3), -1, dtype=torch.int32)
         for e in range(L):
             for i, (src, t, k) in enumerate(sorted(rows[e])):
                 m = offsets[e] + i
                 x[m] = sent[src][0][t]
-                if fp8:
+                if quantize:
                     scales[m] = sent[src][1][t]
                 src_info[m] = torch.tensor([src, t, k], dtype=torch.int32)
         out.append(RankDispatch(x, scales, torch.tensor(offsets, dtype=torch.int32),

@@ -17,6 +17,7 @@ import torch
 
 from .config import EPConfig
 from .fp8 import dequantize_fp8_torch
+from .nvfp4 import dequantize_nvfp4_torch
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,9 @@ class DispatchHandle:
     """Everything the expert compute and the combine of one round need.
 
     ``x_rows`` [rows, H] receive rows (bf16 or fp8; on the nvshmem backend a view of the
-    symmetric buffer, valid until the next dispatch), ``scales_rows`` [rows, G] fp32 for fp8,
+    symmetric buffer, valid until the next dispatch), ``scales_rows`` [rows, G] fp32 for fp8;
+    for nvfp4 ``x_rows`` [rows, H/2] uint8 packed codes and ``scales_rows`` [rows, H/16]
+    float8_e4m3fn (on the nvshmem backend both are strided views of the wire rows),
     ``meta_rows`` [rows, 3K] int32 (expert ids, ordinals, weight bits). Expert-major row m is
     ``x_rows[recv.row_ids_M[m]]``.
     """
@@ -81,11 +84,13 @@ class DispatchHandle:
 
     def expert_major_rows(self, num_rows: int | None = None) -> torch.Tensor:
         """The first ``num_rows`` (default: all M_cap) expert-major rows as fp32 [num_rows, H],
-        dequantised for fp8; padding and unused rows are 0. No host sync."""
+        dequantised for fp8 and nvfp4; padding and unused rows are 0. No host sync."""
         ids = self.recv.row_ids_M if num_rows is None else self.recv.row_ids_M[:num_rows]
         ids = ids.long()
         safe = ids.clamp(min=0)
         rows = self.x_rows[safe]
-        if self.scales_rows is not None:
+        if self.x_rows.dtype == torch.uint8:
+            rows = dequantize_nvfp4_torch(rows, self.scales_rows[safe], out_dtype=torch.float32)
+        elif self.scales_rows is not None:
             rows = dequantize_fp8_torch(rows, self.scales_rows[safe], out_dtype=torch.float32)
         return torch.where((ids >= 0)[:, None], rows.float(), 0.0)

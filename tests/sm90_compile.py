@@ -5,7 +5,10 @@ then compiles each recorded kernel to a cubin with Triton's CUDA backend (ptxas 
 Triton). Kernels of a multi-node topology call NVSHMEM: they are linked against NVSHMEM's
 device bitcode when ``--bitcode PATH`` (or nvshmem4py) provides it, else skipped.
 
-    python tests/sm90_compile.py [--bitcode PATH] [--multi-node] [--fp8]
+    python tests/sm90_compile.py [--bitcode PATH] [--multi-node] [--fp8 | --nvfp4]
+
+With --nvfp4 it also compiles the nvfp4 quantise / dequantise kernels and the grouped GEMM that
+unpacks nvfp4 rows (their launches are recorded the same way).
 
 Prints one line per kernel and exits 1 when one fails. Must run without TRITON_INTERPRET
 (tests/test_kernels_sm90.py starts it in a subprocess).
@@ -57,7 +60,57 @@ def record_launches(cfg) -> list[tuple]:
     return seen
 
 
-def compile_sm90(kernel, args, meta, bitcode: str | None):
+def record_nvfp4_format_launches() -> list[tuple]:
+    """(kernel, args, meta, options) of the nvfp4 quantise and dequantise kernels and of the
+    grouped GEMM over nvfp4 rows with the GPU's tile (its launchers run with the kernels
+    replaced by recorders: nothing is launched)."""
+    from ray_ep.kernels import grouped_gemm, nvfp4
+    from ray_ep.nvfp4 import quantize_nvfp4_torch
+
+    seen: list[tuple] = []
+
+    class _Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+            self.meta_names = {p.name for p in kernel.params if p.is_constexpr}
+
+        def __getitem__(self, grid):
+            def call(**kw):
+                opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+                meta = {k: v for k, v in kw.items() if k in self.meta_names}
+                seen.append((self.kernel, {k: v for k, v in kw.items() if k not in meta}, meta, opts))
+            return call
+
+    names = [(nvfp4, "_quantize_nvfp4_kernel"), (nvfp4, "_dequantize_nvfp4_kernel"),
+             (grouped_gemm, "_grouped_gemm_kernel")]
+    real = [(mod, name, getattr(mod, name)) for mod, name in names]
+    gpu_tile = grouped_gemm._launch_config(torch.device("cuda"))  # a dict; needs no GPU
+    launch_config = grouped_gemm._launch_config
+    for mod, name, k in real:
+        setattr(mod, name, _Recorder(k))
+    grouped_gemm._launch_config = lambda device: gpu_tile
+    try:
+        H, O, rows = 256, 128, 64
+        x = torch.zeros(rows, H, dtype=torch.bfloat16)
+        q, s = quantize_nvfp4_torch(x)
+        nvfp4.quantize_nvfp4(x_TH=x)  # the GPU's row tile (no TRITON_INTERPRET here)
+        nvfp4.dequantize_nvfp4(q_TP=q, scales_TB=s)
+        os.environ["TRITON_INTERPRET"] = "1"  # the GEMM launcher's CPU-tensor check; nothing runs
+        grouped_gemm.grouped_gemm(a=q, a_scales=s, b_LDO=torch.zeros(2, H, O, dtype=torch.bfloat16),
+                                  row_offsets_L1=torch.tensor([0, rows // 2, rows], dtype=torch.int32),
+                                  num_tokens_L=torch.tensor([rows // 2, rows // 2], dtype=torch.int32))
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)
+        grouped_gemm._launch_config = launch_config
+        for mod, name, k in real:
+            setattr(mod, name, k)
+    for _, _, meta, _ in seen:
+        if "DOT_FP32" in meta:
+            meta["DOT_FP32"] = False  # the GPU's bf16 dot
+    return seen
+
+
+def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -75,7 +128,7 @@ def compile_sm90(kernel, args, meta, bitcode: str | None):
         sig[name] = "constexpr"
         constexprs[name] = v
     sig = {name: sig[name] for name in kernel.arg_names}  # the kernel's parameter order
-    opts = {"num_warps": 4}
+    opts = {"num_warps": 4, **(options or {})}
     if meta.get("REMOTE"):
         opts["extern_libs"] = {"libnvshmem_device": bitcode}
     return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
@@ -87,13 +140,14 @@ def main() -> int:
     ap.add_argument("--bitcode", help="libnvshmem_device.bc (default: nvshmem4py's, if installed)")
     ap.add_argument("--multi-node", action="store_true", help="a 2-node topology (kernels with NVSHMEM puts)")
     ap.add_argument("--fp8", action="store_true", help="fp8 dispatch")
+    ap.add_argument("--nvfp4", action="store_true", help="nvfp4 dispatch, plus the nvfp4 format kernels and GEMM")
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("run without TRITON_INTERPRET")
     from ray_ep.config import EPConfig
 
     cfg = EPConfig.preset("tiny", n_nodes=2 if a.multi_node else 1, gpus_per_node=2,
-                          dispatch_dtype="fp8" if a.fp8 else "bf16", hidden_size=256,
+                          dispatch_dtype="fp8" if a.fp8 else "nvfp4" if a.nvfp4 else "bf16", hidden_size=256,
                           max_tokens_per_rank=512)
     bitcode = a.bitcode
     if a.multi_node and bitcode is None:
@@ -106,13 +160,16 @@ def main() -> int:
             return 0
     failed = 0
     done = set()
-    for kernel, args, meta in record_launches(cfg):
+    launches = [(k, args, meta, None) for k, args, meta in record_launches(cfg)]
+    if a.nvfp4 and not a.multi_node:
+        launches += record_nvfp4_format_launches()
+    for kernel, args, meta, options in launches:
         key = (kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in meta.items())))
         if key in done:
             continue
         done.add(key)
         try:
-            ck = compile_sm90(kernel, args, meta, bitcode)
+            ck = compile_sm90(kernel, args, meta, bitcode, options)
             print(f"OK   {kernel.fn.__name__:<28} {len(ck.asm['cubin']):>8} B cubin, "
                   f"nvshmem={'nvshmem' in ck.asm['ptx']}")
         except Exception:  # noqa: BLE001 - report every kernel

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ray_ep import bench, cli
-from ray_ep.bench import runner
+from ray_ep.bench import accuracy, runner
 from ray_ep.config import EPConfig, plan_buffers
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -36,6 +36,45 @@ def test_plan_topology_and_yaml(tmp_path, capsys):
     path.write_text("ep:\n  preset: tiny\n  gpus_per_node: 4\n  max_tokens_per_rank: 64\n")
     assert cli.main(["plan", "--config", str(path)]) == 0
     assert "N_max=64" in capsys.readouterr().out
+
+
+def test_plan_nvfp4_wire_rows(capsys):
+    # one uint8 wire row per token (packed codes, then block scales): 4032 B at H 7168, no scales buffer
+    assert cli.main(["plan", "--preset", "deepseek-v3", "--dispatch-dtype", "nvfp4"]) == 0
+    out = capsys.readouterr().out
+    assert "dispatch nvfp4" in out and "dispatch.recv.scales" not in out
+    assert "[4, 4096, 4032]" in out and "u8" in out
+    plan = plan_buffers(EPConfig.preset("deepseek-v3", dispatch_dtype="nvfp4"))
+    fp8 = plan_buffers(EPConfig.preset("deepseek-v3", dispatch_dtype="fp8"))
+    # 4032 B against fp8's 7168 + 224: 0.545x the receive bytes
+    assert plan["dispatch.recv.x"].nbytes / (fp8["dispatch.recv.x"].nbytes + fp8["dispatch.recv.scales"].nbytes) < 0.55
+
+
+def test_bench_nvfp4_rows(ray_session, tmp_path, capsys):
+    js = tmp_path / "b.json"
+    rc = cli.main(["bench", "--backend", "torch", "--preset", "tiny", "--world", "2", "--iters", "2", "--warmup", "1",
+                   "--dispatch-dtype", "nvfp4,fp8", "--json", str(js), "--quiet"])
+    assert rc == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert [(r["dtype"], r["op"]) for r in rows] == [("nvfp4", "dispatch"), ("nvfp4", "combine"),
+                                                     ("fp8", "dispatch"), ("fp8", "combine")]
+    for r in rows:  # the round trip against the twin's quantised tokens: bf16 roundings only
+        assert r["check_error"] < 2e-2 and r["misplaced_rows"] == 0
+    assert " nvfp4 " in capsys.readouterr().out
+    assert cli.main(["bench", "--backend", "torch", "--preset", "tiny", "--dispatch-dtype", "fp4", "--quiet"]) == 2
+    assert "--dispatch-dtype: unknown fp4" in capsys.readouterr().err
+
+
+def test_accuracy_against_bf16_dispatch(ray_session, tmp_path, capsys):
+    # python -m ray_ep.bench.accuracy on 2 CPU workers: the layer's error grows fp8 < nvfp4
+    js = tmp_path / "acc.json"
+    assert accuracy.main(["--preset", "tiny", "--world", "2", "--tokens", "64", "--json", str(js)]) == 0
+    rows = {r["dtype"]: r for r in json.loads(js.read_text())}
+    assert set(rows) == {"fp8", "nvfp4"} and rows["nvfp4"]["tokens"] == 128
+    # measured at 256 tokens per rank: fp8 0.038, nvfp4 0.137 (docs/benchmarking.md)
+    assert 0.01 < rows["fp8"]["rel"] < 0.06 < rows["nvfp4"]["rel"] < 0.2
+    assert rows["nvfp4"]["token_rel_mean"] <= rows["nvfp4"]["token_rel_max"] < 0.5
+    assert "nvfp4" in capsys.readouterr().out
 
 
 def test_plan_rejects_a_bad_topology(capsys):

@@ -12,7 +12,7 @@ import pydantic
 import pytest
 
 from ray_ep.config import (ALIGN_BYTES, DTYPE_BYTES, PRESETS, BufferPlan, EPConfig, describe_config_error,
-                           parse_topology, plan_buffers, plan_memory)
+                           nvfp4_row_bytes, parse_topology, plan_buffers, plan_memory)
 
 # The smallest valid topology: one rank, 16 experts. Tests override single fields of it.
 BASE = dict(hidden_size=128, n_experts=16, top_k=4, max_tokens_per_rank=32, intermediate_size=64)
@@ -72,6 +72,31 @@ def test_fp8_needs_hidden_multiple_of_128():
     invalid("dispatch_dtype 'fp8'", "hidden_size % 128 == 0", "hidden_size = 192", "use bf16 or pad H",
             dispatch_dtype="fp8", hidden_size=192)
     assert make(dispatch_dtype="fp8", hidden_size=256).dispatch_dtype == "fp8"
+
+
+@pytest.mark.parametrize("hidden_size", [8, 24, 40, 136])
+def test_nvfp4_needs_hidden_multiple_of_16(hidden_size):
+    # one e4m3 scale per 16 channels; bf16 combine rows of these H are 16-byte aligned
+    invalid("dispatch_dtype 'nvfp4'", "hidden_size % 16 == 0", f"hidden_size = {hidden_size}", "use bf16 or pad H",
+            dispatch_dtype="nvfp4", hidden_size=hidden_size)
+
+
+@pytest.mark.parametrize("hidden_size", [16, 48, 80, 208])
+def test_nvfp4_rows_need_hidden_multiple_of_32(hidden_size):
+    # H / 2 packed bytes must fill whole 16-byte vectors
+    invalid("the packed values of a row", f"hidden_size = {hidden_size}", "dispatch_dtype 'nvfp4'",
+            f"is {hidden_size // 2} bytes", "make hidden_size a multiple of 32",
+            dispatch_dtype="nvfp4", hidden_size=hidden_size)
+
+
+@pytest.mark.parametrize("hidden_size", [32, 96, 4096, 7168])
+def test_nvfp4_rows_aligned_pass(hidden_size):
+    assert make(dispatch_dtype="nvfp4", hidden_size=hidden_size).dispatch_dtype == "nvfp4"
+
+
+def test_nvfp4_row_bytes():
+    # packed codes, then the block scales padded to 16 bytes: every row stays 16-byte aligned
+    assert [nvfp4_row_bytes(h) for h in (32, 128, 256, 4096, 7168)] == [32, 80, 144, 2304, 4032]
 
 
 @pytest.mark.parametrize("hidden_size", [4, 12, 100, 130])
@@ -331,6 +356,8 @@ PLAN_CONFIGS = {
     "odd-sizes": make(hidden_size=8, top_k=3, max_tokens_per_rank=5, gpus_per_node=2),  # rows not 128 B
     "deepseek-v3": EPConfig.preset("deepseek-v3"),
     "deepseek-v3-fp8": EPConfig.preset("deepseek-v3", dispatch_dtype="fp8"),
+    "tiny-nvfp4": EPConfig.preset("tiny", dispatch_dtype="nvfp4"),
+    "deepseek-v3-nvfp4": EPConfig.preset("deepseek-v3", dispatch_dtype="nvfp4", n_nodes=2),
     "mixtral-8": EPConfig.preset("mixtral", gpus_per_node=8),
 }
 REGIONS = {"dispatch.send", "dispatch.recv", "dispatch.recv_count", "combine.send", "combine.recv",
@@ -383,6 +410,9 @@ def test_plan_shapes(key):
     if cfg.dispatch_dtype == "fp8":  # fp8 adds one fp32 scale per 128 channels, send and recv
         expected["dispatch.send.scales"] = ((N, H // 128), "fp32")
         expected["dispatch.recv.scales"] = ((R, N, H // 128), "fp32")
+    if cfg.dispatch_dtype == "nvfp4":  # bytes: packed codes and block scales in one wire row
+        expected["dispatch.send.x"] = ((N, nvfp4_row_bytes(H)), "u8")
+        expected["dispatch.recv.x"] = ((R, N, nvfp4_row_bytes(H)), "u8")
     assert {b.name: (b.shape, b.dtype) for b in plan.buffers} == expected
 
 
@@ -399,6 +429,17 @@ def test_fp8_adds_scales():
     assert fp8.region_bytes()["dispatch.send"] == N * H + N * 1 * 4 + N * 12 * 4 + R * 9 * 4
     assert fp8.region_bytes()["dispatch.recv"] == R * N * H + R * N * 1 * 4 + R * N * 12 * 4
     assert bf16.region_bytes()["dispatch.recv"] == R * N * H * 2 + R * N * 12 * 4
+
+
+def test_nvfp4_rows_carry_their_scales():
+    nv = plan_buffers(PLAN_CONFIGS["tiny-nvfp4"])
+    assert "dispatch.send.scales" not in nv and "dispatch.recv.scales" not in nv
+    # H 128: 64 bytes of codes + 8 scales + 8 padding = 80-byte rows (fp8: 128 + 4, bf16: 256)
+    N, R = 32, 2
+    assert nv.region_bytes()["dispatch.send"] == N * 80 + N * 12 * 4 + R * 9 * 4
+    assert nv.region_bytes()["dispatch.recv"] == R * N * 80 + R * N * 12 * 4
+    # the receive rows of DeepSeek-V3: 4032 bytes (0.545x fp8's 7392, 0.28x bf16's 14336)
+    assert plan_buffers(PLAN_CONFIGS["deepseek-v3-nvfp4"])["dispatch.recv.x"].shape[-1] == 4032
 
 
 def test_plan_lookup():

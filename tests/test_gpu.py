@@ -32,6 +32,8 @@ SOAK_TOL = 2e-2
 CASES = [  # (preset, dispatch dtype, tokens per rank for the reference check)
     ("deepseek-v3", "bf16", 64), ("deepseek-v3", "fp8", 64), ("qwen3-moe", "bf16", 64),
     ("qwen3-moe", "fp8", 64), ("mixtral", "bf16", 64), ("tiny", "bf16", 32),
+    # nvfp4: the reference quantises the same way (bit for bit), so the same tolerance holds
+    ("deepseek-v3", "nvfp4", 64), ("qwen3-moe", "nvfp4", 64), ("tiny", "nvfp4", 32),
 ]
 
 

@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from ray_ep import reference  # noqa: E402
-from ray_ep.config import FP8_GROUP, EPConfig  # noqa: E402
+from ray_ep.config import FP8_GROUP, NVFP4_BLOCK, EPConfig  # noqa: E402
 from ray_ep.errors import EPInputError, EPOverflowError, EPTimeoutError  # noqa: E402
 from ray_ep.kernels import combine as C  # noqa: E402
 from ray_ep.kernels import dispatch as D  # noqa: E402
@@ -70,6 +70,12 @@ TOL = {
 FP8_STEP_REL, FP8_SUBNORMAL_STEP = 2.0**-3, 2.0**-9
 # and vs the original bf16 token: within half a step (round to nearest)
 FP8_HALF_STEP_REL, FP8_SUBNORMAL_HALF_STEP = 2.0**-4, 2.0**-10
+# nvfp4 dispatched rows equal the reference's bytes (test_kernels_nvfp4: kernel == twin ==
+# oracle). Against the original token: the e2m1 grid's largest half step is 1 x the block
+# scale s (between 4 and 6), and saturation at 6 costs at most 0.4 s (s is amax / 6 rounded
+# to e4m3, at most 2^-4 low: 6 / (1 - 2^-4) = 6.4); the tiny preset's blocks (amax ~ 1-3)
+# keep normal e4m3 scales. So |dequantised - x| <= s.
+NVFP4_ERR_IN_SCALES = 1.0
 
 
 def make_cfg(R: int, dispatch: str = "bf16", combine: str = "bf16", align: int = 1, nodes: int = 1,
@@ -278,6 +284,15 @@ def check_dispatch(cfg: EPConfig, handles, inp: Round) -> list[reference.RankDis
             torch.zeros(0, H, dtype=torch.bfloat16)
         if cfg.dispatch_dtype == "bf16":
             assert torch.equal(gathered, rd.x[real]), f"{where}: bf16 rows differ"
+        elif cfg.dispatch_dtype == "nvfp4":
+            scales = h.scales_rows[row_ids[real].to(h.x_rows.device)].cpu()
+            assert torch.equal(gathered, rd.x[real]), f"{where}: nvfp4 codes differ from the oracle's"
+            assert torch.equal(scales.view(torch.uint8), rd.scales[real].view(torch.uint8)), \
+                f"{where}: nvfp4 block scales differ from the oracle's"
+            deq = reference.dequantize_nvfp4(gathered, scales)
+            scale_ch = scales.float().repeat_interleave(NVFP4_BLOCK, dim=1)
+            err = (deq - x_src.float()).abs()
+            assert bool((err <= NVFP4_ERR_IN_SCALES * scale_ch).all()), f"{where}: not its token"
         else:
             scales = h.scales_rows[row_ids[real].to(h.x_rows.device)].cpu()
             deq = reference.dequantize_fp8(gathered, scales)
@@ -388,6 +403,8 @@ ROUND_CASES = [
     (2, "bf16", "bf16", 1), (2, "bf16", "fp32", 4), (2, "fp8", "bf16", 1), (2, "fp8", "fp32", 4),
     (4, "bf16", "fp32", 1), (4, "fp8", "bf16", 4),
     (8, "fp8", "fp32", 1),  # R = 8 with bf16 dispatch and alignment 4: test_largest_batch
+    # nvfp4 wire rows (packed codes + block scales in one row of bytes) on every world size
+    (2, "nvfp4", "bf16", 1), (4, "nvfp4", "fp32", 4), (8, "nvfp4", "bf16", 1),
 ]
 
 
@@ -423,7 +440,7 @@ def test_rows_with_many_local_experts(R):
 on_cpu_only = pytest.mark.skipif(torch.cuda.is_available(),
                                  reason="compiled multi-node kernels call NVSHMEM (tests/test_gpu.py, 2x2)")
 NODE_CASES = [(2, 1, "bf16", "bf16", 1), (2, 2, "fp8", "bf16", 4), (2, 2, "bf16", "fp32", 1),
-              (4, 1, "fp8", "fp32", 1)]
+              (4, 1, "fp8", "fp32", 1), (2, 2, "nvfp4", "bf16", 1)]
 
 
 @on_cpu_only
@@ -475,8 +492,9 @@ def test_missing_sender_on_other_node_times_out():
 
 
 # ---- edge cases (one round; kernel and twin) ---------------------------------------------------
-def test_rank_with_zero_tokens():
-    cfg = make_cfg(4, "fp8", "bf16", 4)
+@pytest.mark.parametrize("dispatch", ["fp8", "nvfp4"])
+def test_rank_with_zero_tokens(dispatch):
+    cfg = make_cfg(4, dispatch, "bf16", 4)
     run_round(cfg, sims_for(cfg), make_round(cfg, [0, 6, 3, 0], seed=11))
 
 
@@ -486,7 +504,7 @@ def test_every_rank_with_zero_tokens():
     assert all(o.shape == (0, cfg.hidden_size) for o in outs)
 
 
-@pytest.mark.parametrize("dispatch", ["bf16", "fp8"])
+@pytest.mark.parametrize("dispatch", ["bf16", "fp8", "nvfp4"])
 def test_rank_that_receives_nothing(dispatch):
     # every token of every rank (rank 2 included) goes to experts of the other ranks
     cfg = make_cfg(4, dispatch, "fp32", 4)
@@ -519,9 +537,10 @@ def test_masked_and_out_of_range_ids():
     run_round(cfg, sims_for(cfg), make_round(cfg, [9, 8], seed=15, mask=0.3, out_of_range=0.2))
 
 
-def test_non_contiguous_inputs():
+@pytest.mark.parametrize("dispatch", ["bf16", "nvfp4"])
+def test_non_contiguous_inputs(dispatch):
     # x, topk_ids and topk_weights are rows of wider tensors; add_TH too
-    cfg = make_cfg(2, "bf16", "bf16")
+    cfg = make_cfg(2, dispatch, "bf16")
     sims = sims_for(cfg)
     inp = make_round(cfg, [6, 9], seed=16, strided=True)
     results = []
@@ -675,7 +694,7 @@ def test_missing_sender_times_out_in_combine(impl):
                     reason="the fused kernels wait for their peers inside one launch, so every rank's launch "
                            "must run at the same time: separate CUDA streams give that, the interpreter "
                            "(one launch after another) cannot")
-@pytest.mark.parametrize("dispatch,combine", [("bf16", "bf16"), ("fp8", "fp32")])
+@pytest.mark.parametrize("dispatch,combine", [("bf16", "bf16"), ("fp8", "fp32"), ("nvfp4", "bf16")])
 def test_fused_on_concurrent_streams(world_size, dispatch, combine):
     R = world_size
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from ray_ep import reference  # noqa: E402
-from ray_ep.config import EPConfig  # noqa: E402
+from ray_ep.config import EPConfig, nvfp4_row_bytes  # noqa: E402
 from ray_ep.kernels.activation import swiglu, swiglu_torch  # noqa: E402
 from ray_ep.kernels.grouped_gemm import grouped_gemm, grouped_gemm_torch  # noqa: E402
 from ray_ep.inputs import make_inputs  # noqa: E402
@@ -141,6 +141,38 @@ def test_grouped_gemm_fp8_without_gather():
           row_offsets_L1=offsets, num_tokens_L=num_tokens)
 
 
+@pytest.mark.parametrize("wire", [True, False], ids=["wire-rows", "contiguous"])
+def test_grouped_gemm_nvfp4_a(wire):
+    # what nvfp4 dispatch produces: packed codes and e4m3 scales, as strided views of wire rows
+    # (packed H / 2 bytes, then H / 16 scales, padded) or as tensors of their own.
+    # bf16(e2m1 * e4m3 scale) is exact on every device (<= 6 significant bits), so A matches
+    # the twin's exactly and the bf16 tolerance applies
+    gen = torch.Generator().manual_seed(19)
+    counts = [17, 0, 40, 3]
+    offsets, num_tokens, real = make_layout(counts, 4, 3)
+    M, D, rows = real.shape[0], 160, 150  # D: 2.5 tiles of 64 (a masked tail of whole blocks)
+    x = torch.randn(rows, D, generator=gen) * 10.0 ** torch.randint(-1, 2, (rows, 1), generator=gen)
+    q, s = reference.quantize_nvfp4(x.to(torch.bfloat16))
+    if wire:
+        W = nvfp4_row_bytes(D)
+        rows_W = torch.zeros(rows, W, dtype=torch.uint8)
+        rows_W[:, :D // 2] = q
+        rows_W[:, D // 2:D // 2 + D // 16] = s.view(torch.uint8)
+        rows_W = rows_W.to(device)
+        q_dev, s_dev = rows_W[:, :D // 2], rows_W[:, D // 2:D // 2 + D // 16].view(torch.float8_e4m3fn)
+        assert not q_dev.is_contiguous() and not s_dev.is_contiguous()
+    else:
+        q_dev, s_dev = q.to(device), s.to(device)
+    a_row_ids = torch.full((M,), -1, dtype=torch.int32)
+    a_row_ids[real.cpu()] = torch.randperm(rows, generator=gen)[: sum(counts)].to(torch.int32)
+    b = rand_b(4, D, 96, gen)
+    kw = dict(b_LDO=b, row_offsets_L1=offsets, num_tokens_L=num_tokens, a_row_ids=a_row_ids.to(device))
+    out = check("bf16", real, a=q_dev, a_scales=s_dev, **kw)
+    # the same as bf16 rows holding the dequantised values
+    deq = reference.dequantize_nvfp4(q, s).to(torch.bfloat16).to(device)
+    torch.testing.assert_close(out[real].float(), grouped_gemm(a=deq, **kw)[real].float(), atol=0.0, rtol=0.0)
+
+
 def test_grouped_gemm_non_contiguous():
     # a is a column slice of a wider buffer, b is stored [L, O, D] and viewed as [L, D, O],
     # out is a column slice; the launcher passes every stride to the kernel
@@ -181,7 +213,7 @@ def test_grouped_gemm_new_output():
     torch.testing.assert_close(out.float(), grouped_gemm_torch(**kw).float(), **TOL["bf16"])
 
 
-@pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8", "nvfp4"])
 def test_expert_chain_matches_reference_experts(dispatch_dtype):
     # gate_up GEMM (gathering from the dispatched rows) -> SwiGLU -> down GEMM, per rank, against
     # reference.experts_world: the twins exactly on CPU, the kernels within the chain tolerance
@@ -240,6 +272,12 @@ BAD = [
     (dict(a=torch.zeros(8, 64, dtype=F8), b_LDO=torch.zeros(2, 64, 32, dtype=torch.bfloat16)),
      "D % 128 == 0"),
     (dict(a_scales=torch.ones(8, 1)), "a_scales is only for fp8"),
+    (dict(a=torch.zeros(8, 64, dtype=torch.uint8)), "nvfp4 a .* needs a_scales"),
+    (dict(a=torch.zeros(8, 64, dtype=torch.uint8), a_scales=torch.ones(8, 8)), "a_scales must be float8_e4m3fn"),
+    (dict(a=torch.zeros(8, 64, dtype=torch.uint8), a_scales=torch.ones(8, 4).to(F8)),
+     r"a_scales must have shape \(8, 8\)"),
+    (dict(a=torch.zeros(8, 4, dtype=torch.uint8), b_LDO=torch.zeros(2, 8, 32, dtype=torch.bfloat16)),
+     "D % 16 == 0"),
     (dict(num_sms=0), "num_sms must be a positive int"),
 ]
 

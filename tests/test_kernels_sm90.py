@@ -39,21 +39,22 @@ def _compile(*flags: str) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "nvfp4"])
 def test_single_node_kernels_compile(dtype):
-    out = _compile(*(["--fp8"] if dtype == "fp8" else []))
+    out = _compile(*([f"--{dtype}"] if dtype != "bf16" else []))
     lines = [line for line in out.splitlines() if line.startswith("OK")]
     # fused, send and recv of dispatch and combine; the dispatch's fused and send twice (the
-    # small-batch layout and the one from block bases)
-    assert len(lines) == 8, out
+    # small-batch layout and the one from block bases); nvfp4 adds its quantise and dequantise
+    # kernels and the grouped GEMM that unpacks nvfp4 rows
+    assert len(lines) == (11 if dtype == "nvfp4" else 8), out
     assert all("nvshmem=False" in line for line in lines), out
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "nvfp4"])
 def test_multi_node_kernels_compile_with_nvshmem(dtype):
     bitcode = _bitcode()
     if bitcode is None:
         pytest.skip("no NVSHMEM device bitcode (pip install nvshmem4py-cu13, or set RAY_EP_NVSHMEM_BITCODE)")
-    out = _compile("--multi-node", "--bitcode", bitcode, *(["--fp8"] if dtype == "fp8" else []))
+    out = _compile("--multi-node", "--bitcode", bitcode, *([f"--{dtype}"] if dtype != "bf16" else []))
     sends = [line for line in out.splitlines() if line.startswith("OK") and ("send" in line or "fused" in line)]
     assert len(sends) == 6 and all("nvshmem=True" in line for line in sends), out

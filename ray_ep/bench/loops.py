@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..config import FP8_GROUP, EPConfig
+from ..config import FP8_GROUP, EPConfig, nvfp4_row_bytes
 from ..errors import EPInputError
 from ..fp8 import dequantize_fp8_torch, quantize_fp8_torch
+from ..nvfp4 import dequantize_nvfp4_torch, quantize_nvfp4_torch
 from ..inputs import rank_inputs
 from ..kernels.experts import run_experts, shared_experts
 from ..transport.base import Transport
@@ -66,6 +67,8 @@ def misplaced_rows(h: DispatchHandle, cfg: EPConfig, rank: int) -> int:
 def expected_round_trip(x: torch.Tensor, w: torch.Tensor, cfg: EPConfig) -> torch.Tensor:
     if cfg.dispatch_dtype == "fp8":
         x = dequantize_fp8_torch(*quantize_fp8_torch(x), out_dtype=torch.float32)
+    elif cfg.dispatch_dtype == "nvfp4":
+        x = dequantize_nvfp4_torch(*quantize_nvfp4_torch(x), out_dtype=torch.float32)
     return x.float() * w.sum(-1, keepdim=True)
 
 
@@ -209,9 +212,12 @@ def bench_peer_copy(t: Transport, rank: int, device: torch.device, *, nbytes: in
 
 
 def row_bytes(cfg: EPConfig, phase: str) -> int:
-    """Payload bytes of one row on the wire (meta rows excluded)."""
+    """Payload bytes of one row on the wire (meta rows excluded): bf16 2H, fp8 H + 4H/128,
+    nvfp4 the wire row (H/2 + H/16, padded to 16 bytes)."""
     H = cfg.hidden_size
     if phase == "dispatch":
+        if cfg.dispatch_dtype == "nvfp4":
+            return nvfp4_row_bytes(H)
         return H + 4 * H // FP8_GROUP if cfg.dispatch_dtype == "fp8" else 2 * H
     return H * (2 if cfg.combine_dtype == "bf16" else 4)
 

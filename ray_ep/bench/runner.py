@@ -38,6 +38,7 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-prefill": {"model": "mixtral", "tokens": 4096, "dtypes": ["bf16"]},
     "tiny": {"model": "tiny", "tokens": 32, "dtypes": ["bf16", "fp8"]},
 }
+DISPATCH_DTYPES = ("bf16", "fp8", "nvfp4")  # what --dispatch-dtype takes (EPConfig.dispatch_dtype)
 # Table labels of run_bench's backends, by what ran: the torch backend's pipeline runs over NCCL on
 # GPUs and over gloo on CPU workers.
 BACKEND_LABELS = {"nvshmem": "ray_ep", "torch": "nccl-pipeline"}
@@ -351,7 +352,8 @@ def _meta(cluster: EPCluster, iters: int) -> dict:
 def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[str] | None = None,
               tokens: Sequence[int] | None = None, routing: Sequence[str] = ("uniform",), iters: int = 50,
               warmup: int = 5, num_sms: int | Sequence[int | None] | None = None, fused: bool = True,
-              layer: bool = False, baselines: bool = True, progress: bool = True, seed: int = 0) -> BenchResult:
+              layer: bool = False, baselines: bool = True, progress: bool = True, seed: int = 0,
+              dtypes: Sequence[str] | None = None) -> BenchResult:
     """Benchmark ``presets`` (names of BENCH_PRESETS) on a started cluster.
 
     backends: ``nvshmem`` (ray_ep's kernels) and/or ``torch`` (the NCCL / gloo pipeline);
@@ -359,11 +361,15 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
     of tokens per rank (default: the preset's). ``num_sms``: an SM budget of the communication
     kernels, or a list of budgets (a sweep; None = all SMs). ``layer`` adds whole-MoE-layer rows (loads
     seeded experts). ``baselines`` adds raw all_to_all and the peer copy (GPUs only).
-    ``progress``: a progress line on stderr.
+    ``progress``: a progress line on stderr. dtypes: the dispatch dtypes of every preset's rows
+    (bf16, fp8, nvfp4; default: each preset's own list).
     """
     for p in presets:
         if p not in BENCH_PRESETS:
             raise ValueError(f"unknown benchmark preset {p!r}; choose from {sorted(BENCH_PRESETS)}")
+    for dt in dtypes or ():
+        if dt not in DISPATCH_DTYPES:
+            raise ValueError(f"unknown dispatch dtype {dt!r}; choose from {list(DISPATCH_DTYPES)}")
     on_gpu = cluster.backend == "nvshmem"
     if backends is None:
         backends = ["nvshmem", "torch"] if on_gpu else ["torch"]
@@ -378,7 +384,7 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
     for p in presets:
         spec = BENCH_PRESETS[p]
         sweep = list(tokens) if tokens else [spec["tokens"]]
-        for dt in spec["dtypes"]:
+        for dt in dtypes or spec["dtypes"]:
             for b in backends:
                 for rt in routing:
                     for T in sweep:
@@ -416,7 +422,6 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
     base = cluster.config
     n_max = max(list(tokens) if tokens else [spec["tokens"]])
     groups = list(dict.fromkeys((c[1], c[5]) for c in plan))  # (dtype, budget) in plan order
-    first_dt = spec["dtypes"][0]
     for dt, num_sms in groups:
         cfg = EPConfig.preset(spec["model"], n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node,
                               max_tokens_per_rank=n_max, dispatch_dtype=dt, num_sms=num_sms,
@@ -446,7 +451,7 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
                                            routing=rt, seed=seed, iters=iters, warmup=warmup)
                     result.rows.append(aggregate(per_rank, "layer", cfg, row_bytes(cfg, "dispatch"), **labels))
                     bar.done()
-            if baselines and (dt, num_sms) == groups[0] and dt == first_dt:
+            if baselines and (dt, num_sms) == groups[0]:
                 bar.start(f"{p}: all_to_all_single, equal splits")
                 per_rank = cluster.run(run_row, "all_to_all", group=name, rows_per_peer=n_max,
                                        iters=iters, warmup=warmup)
@@ -477,6 +482,9 @@ def add_arguments(parser) -> None:
                         help="comma list of nvshmem,torch (torch = NCCL pipeline on GPUs, gloo on CPU)")
     parser.add_argument("--tokens", help="comma list of tokens per rank (a sweep); default: the preset's")
     parser.add_argument("--routing", default="uniform", help="comma list of uniform,skewed")
+    parser.add_argument("--dispatch-dtype", dest="dispatch_dtype",
+                        help="comma list of bf16,fp8,nvfp4: the dispatch dtypes of every preset's rows "
+                             "(default: each preset's own, see docs/benchmarking.md)")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--num-sms", type=sm_budgets, default=None,
@@ -562,6 +570,12 @@ def run_from_args(args) -> int:
                           max_tokens_per_rank=first["tokens"])
     backends = args.backend.split(",") if args.backend else None
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
+    dtypes = args.dispatch_dtype.split(",") if args.dispatch_dtype else None
+    bad = [d for d in dtypes or () if d not in DISPATCH_DTYPES]
+    if bad:
+        print(f"ray-ep bench: --dispatch-dtype: unknown {', '.join(bad)}; choose from {','.join(DISPATCH_DTYPES)}",
+              file=sys.stderr)
+        return 2
     progress = not args.quiet
     ep = EPCluster(cfg, address=args.address, check_memory=not args.no_memory_check)
     log_level = logging.getLogger("ray_ep").level
@@ -579,7 +593,7 @@ def run_from_args(args) -> int:
             res = run_bench(ep, presets=presets, backends=backends, tokens=tokens,
                                      routing=args.routing.split(","), iters=args.iters, warmup=args.warmup,
                                      num_sms=args.num_sms, fused=not args.split, layer=args.layer,
-                                     baselines=not args.no_baselines, progress=progress)
+                                     baselines=not args.no_baselines, progress=progress, dtypes=dtypes)
     except KeyboardInterrupt:
         _mute_ray_ep_logs()
         ep.shutdown(kill=True)  # idempotent: whatever a Ctrl-C inside start() or shutdown() left

@@ -23,6 +23,7 @@ TORCH_DTYPES = {
     "fp32": torch.float32,
     "int32": torch.int32,
     "int64": torch.int64,
+    "u8": torch.uint8,  # nvfp4 wire rows: packed codes and block scales (ray_ep.nvfp4)
 }
 
 # status[0] bits written by the receive kernels; status[1 + s] = 1 when source s never signalled

@@ -5,9 +5,9 @@ Legend: T tokens on this rank, K top-k, E experts, R ranks, L = E / R local expe
 H hidden, N = N_max, M = expert-major rows (capacity: EPConfig.max_recv_rows).
 
 Send (per source rank ``me``): for every token t and destination d with
-``token_slots[t, d] = i >= 0``, store its row (bf16, or fp8 quantised once in registers
-plus scales) and its meta row (K expert ids, K ordinals, K weights) at row ``me * N + i``
-of d's ``dispatch.recv`` buffers, through d's base address. The last program then writes
+``token_slots[t, d] = i >= 0``, store its row (bf16; fp8 quantised once in registers plus
+scales; or an nvfp4 wire row: packed codes and block scales in one row of bytes) and its
+meta row (K expert ids, K ordinals, K weights) at row ``me * N + i`` of d's ``dispatch.recv`` buffers, through d's base address. The last program then writes
 d's ``counts[me] = [rows for d, rows for each of d's experts]`` and releases d's
 ``signal[me] = epoch + 1`` (see ``_sync``).
 
@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import FP8_GROUP, EPConfig
+from ..config import FP8_GROUP, NVFP4_GLOBAL_SCALE, EPConfig, nvfp4_row_bytes
 from ..fp8 import quantize_fp8_torch
+from ..nvfp4 import quantize_nvfp4_torch, wire_views
 from ..types import DispatchHandle, DispatchLayout, RecvLayout
 from ..validation import check_send_inputs
 from ._shmem import other_node, put_bytes, put_signal, quiet, staged
@@ -40,10 +41,12 @@ from ._util import comm_tile, interpreted, launch, remote_meta, timeouts
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 from .layout import block_bases, block_tokens, compute_layout, compute_layout_torch
+from .nvfp4 import quantize_nvfp4_tile, wire_row_bytes
 from .quant import quantize_group
 
 _STATUS_OVERFLOW = tl.constexpr(STATUS_OVERFLOW)
 _FP8_GROUP = tl.constexpr(FP8_GROUP)
+_NVFP4_G = tl.constexpr(NVFP4_GLOBAL_SCALE)
 # where the send's slots and ordinals come from (see _own_layout)
 LAYOUT_GIVEN = tl.constexpr(0)  # the caller's DispatchLayout
 LAYOUT_SCANNED = tl.constexpr(1)  # the send scans every earlier token (small batches)
@@ -129,7 +132,7 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
                bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, ranks_per_node,
                K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, FP8: tl.constexpr,
                BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
-               OWN_LAYOUT: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr,
+               OWN_LAYOUT: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr, NVFP4: tl.constexpr,
                BRANCHLESS: tl.constexpr):
     """Store this program's share of token rows and meta rows into every destination on this
     node; with REMOTE, stage them once in this rank's ``dispatch.send`` rows and put them to
@@ -139,6 +142,7 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
     kk = tl.arange(0, K_PAD)
     km = kk < K
     SG: tl.constexpr = BLOCK_H // _FP8_GROUP if FP8 else 1
+    W = wire_row_bytes(H)  # bytes of an nvfp4 wire row (used only with NVFP4)
     for blk in range(pid, tl.cdiv(T, BT), nprog):
         toks = blk * BT + tl.arange(0, BT)
         if OWN_LAYOUT != LAYOUT_GIVEN:
@@ -175,8 +179,20 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
                 q, s = quantize_group(x.to(tl.float32), SG)
                 g = h0 // _FP8_GROUP + tl.arange(0, SG)
                 gm = g[None, :] < H // _FP8_GROUP
+            if NVFP4:
+                # wire row: packed codes at bytes [0, H/2), block scales at [H/2, H/2 + H/16)
+                q, s = quantize_nvfp4_tile(x.to(tl.float32), _NVFP4_G)
+                pc = h0 // 2 + tl.arange(0, BLOCK_H // 2)
+                pm = pc[None, :] < H // 2
+                bc = h0 // 16 + tl.arange(0, BLOCK_H // 16)
+                bm = bc[None, :] < H // 16
+                bc += H // 2
             if REMOTE:
-                if FP8:
+                if NVFP4:
+                    px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.uint8) + toks[:, None].to(tl.int64) * W
+                    tl.store(px + pc[None, :], q, mask=tm[:, None] & pm)
+                    tl.store(px + bc[None, :], s, mask=tm[:, None] & bm)
+                elif FP8:
                     px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.float8e4nv)
                     tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], q, mask=tm[:, None] & cm[None, :])
                     ps = peer_ptr(peer_bases_ptr, rank, off_ss, tl.float32)
@@ -193,7 +209,11 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
                 any_row = True if BRANCHLESS else tl.max(ok.to(tl.int32), axis=0) > 0
                 if any_row:
                     row = (rank * N + slot).to(tl.int64)
-                    if FP8:
+                    if NVFP4:
+                        px = peer_ptr(peer_bases_ptr, d, off_x, tl.uint8) + row[:, None] * W
+                        tl.store(px + pc[None, :], q, mask=ok[:, None] & pm)
+                        tl.store(px + bc[None, :], s, mask=ok[:, None] & bm)
+                    elif FP8:
                         px = peer_ptr(peer_bases_ptr, d, off_x, tl.float8e4nv)
                         tl.store(px + row[:, None] * H + cols[None, :], q, mask=ok[:, None] & cm[None, :])
                         ps = peer_ptr(peer_bases_ptr, d, off_scales, tl.float32)
@@ -203,7 +223,7 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
                         tl.store(px + row[:, None] * H + cols[None, :], x, mask=ok[:, None] & cm[None, :])
         if REMOTE:
             _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm,
-                             blk * BT, T, H, N, rank, R, ranks_per_node, K, FP8, BT, EMULATE)
+                             blk * BT, T, H, N, rank, R, ranks_per_node, K, FP8, BT, EMULATE, NVFP4)
     if REMOTE:
         quiet(EMULATE)  # delivered before this program counts itself done (the signals follow)
 
@@ -211,11 +231,16 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
 @triton.jit
 def _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm,
                      t0, T, H, N, rank, R, ranks_per_node, K: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr,
-                     EMULATE: tl.constexpr):
+                     EMULATE: tl.constexpr, NVFP4: tl.constexpr):
     """Put the staged rows of tokens t0 .. t0 + BT - 1 to their destinations on other nodes:
-    row, scales and meta land exactly where a store from this node would have put them."""
+    row, scales and meta land exactly where a store from this node would have put them
+    (an nvfp4 wire row carries its scales: one put)."""
     staged(EMULATE)
     XB: tl.constexpr = 1 if FP8 else 2
+    if NVFP4:
+        RB = wire_row_bytes(H)
+    else:
+        RB = H * XB
     for r in tl.static_range(BT):
         t = t0 + r
         if t < T:
@@ -225,8 +250,7 @@ def _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off
                     if slot >= 0:
                         row = (rank * N + slot).to(tl.int64)
                         tt = t.to(tl.int64)
-                        put_bytes(peer_bases_ptr, rank, d, off_x + row * H * XB, off_sx + tt * H * XB, H * XB,
-                                  EMULATE)
+                        put_bytes(peer_bases_ptr, rank, d, off_x + row * RB, off_sx + tt * RB, RB, EMULATE)
                         if FP8:
                             put_bytes(peer_bases_ptr, rank, d, off_scales + row * (H // _FP8_GROUP) * 4,
                                       off_ss + tt * (H // _FP8_GROUP) * 4, (H // _FP8_GROUP) * 4, EMULATE)
@@ -325,11 +349,11 @@ def _dispatch_send_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w,
                           K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
                           FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr,
                           EMULATE: tl.constexpr, OWN_LAYOUT: tl.constexpr, CH: tl.constexpr,
-                          SB: tl.constexpr, BRANCHLESS: tl.constexpr):
+                          SB: tl.constexpr, NVFP4: tl.constexpr, BRANCHLESS: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
                bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L,
-               ranks_per_node, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB,
+               ranks_per_node, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB, NVFP4,
                BRANCHLESS)
     if last_program_done(send_counter_ptr):
         if OWN_LAYOUT == LAYOUT_SCANNED:
@@ -364,12 +388,12 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
                            K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
                            A_PAD: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
                            BJ: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
-                           OWN_LAYOUT: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr,
-                           BRANCHLESS: tl.constexpr):
+                           OWN_LAYOUT: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr, NVFP4: tl.constexpr,
+               BRANCHLESS: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
                bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L,
-               ranks_per_node, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB,
+               ranks_per_node, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB, NVFP4,
                BRANCHLESS)
     if last_program_done(send_counter_ptr):
         if OWN_LAYOUT == LAYOUT_SCANNED:
@@ -431,8 +455,9 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
                 bases: torch.Tensor | None, bufs: SymmetricBuffers, ws: Workspace, budget: int | None
                 ) -> tuple[dict, dict, int]:
     """Arguments, constexprs and warps of the send half (its tile depends on the SM budget)."""
-    bt, bh, warps = comm_tile(cfg.hidden_size, x_TH.device, budget, "dispatch",
-                              multiple=FP8_GROUP if cfg.dispatch_dtype == "fp8" else 8)
+    # a step holds whole fp8 groups, or pairs of whole nvfp4 blocks (H / 2 bytes and H / 16 scales)
+    multiple = {"fp8": FP8_GROUP, "nvfp4": 32}.get(cfg.dispatch_dtype, 8)
+    bt, bh, warps = comm_tile(cfg.hidden_size, x_TH.device, budget, "dispatch", multiple=multiple)
     args = dict(x_ptr=x_TH, stride_x=x_TH.stride(0), ids_ptr=topk_ids_TK, stride_ids=topk_ids_TK.stride(0),
                 w_ptr=topk_weights_TK, stride_w=topk_weights_TK.stride(0), slots_ptr=layout.token_slots_TR,
                 ordinals_ptr=layout.ordinals_TK, expert_counts_ptr=layout.expert_counts_E,
@@ -442,8 +467,8 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
                 ranks_per_node=cfg.gpus_per_node, **bufs.dispatch.send_args(), **_common_args(cfg, bufs, ws))
     # several rows per program (an SM budget, the interpreter): measured at 24 programs on 4x H200,
     # prefill dispatch bf16 769 -> 654 us, fp8 1004 -> 781 us; one row per program keeps the test
-    meta = dict(FP8=cfg.dispatch_dtype == "fp8", BT=bt, BLOCK_H=bh, OWN_LAYOUT=int(how),
-                CH=64 if interpreted() else 32, SB=block_tokens(), BRANCHLESS=bt > 1,
+    meta = dict(FP8=cfg.dispatch_dtype == "fp8", NVFP4=cfg.dispatch_dtype == "nvfp4", BT=bt, BLOCK_H=bh,
+                OWN_LAYOUT=int(how), CH=64 if interpreted() else 32, SB=block_tokens(), BRANCHLESS=bt > 1,
                 **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
 
@@ -469,9 +494,12 @@ def _scratch_cap(ws: Workspace, budget: int | None) -> int:
 def _handle(cfg: EPConfig, bufs: SymmetricBuffers, layout: DispatchLayout, recv: RecvLayout, T: int) -> DispatchHandle:
     R, N, H = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden_size
     v = bufs.local
-    scales = v["dispatch.recv.scales"].view(R * N, H // FP8_GROUP) if cfg.dispatch_dtype == "fp8" else None
-    return DispatchHandle(layout, recv, v["dispatch.recv.x"].view(R * N, H), scales,
-                          v["dispatch.recv.meta"].view(R * N, 3 * cfg.top_k), T)
+    if cfg.dispatch_dtype == "nvfp4":  # views of the wire rows: packed codes, block scales
+        x, scales = wire_views(v["dispatch.recv.x"].view(R * N, nvfp4_row_bytes(H)), H)
+    else:
+        x = v["dispatch.recv.x"].view(R * N, H)
+        scales = v["dispatch.recv.scales"].view(R * N, H // FP8_GROUP) if cfg.dispatch_dtype == "fp8" else None
+    return DispatchHandle(layout, recv, x, scales, v["dispatch.recv.meta"].view(R * N, 3 * cfg.top_k), T)
 
 
 def dispatch_send(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -479,7 +507,7 @@ def dispatch_send(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tenso
                   num_sms: int | None = None) -> DispatchLayout:
     """Send this rank's tokens (split form: returns at once; :func:`dispatch_recv` completes).
 
-    x_TH [T, H] bf16 (fp8 dispatch also takes fp16/fp32: it quantises inside the send);
+    x_TH [T, H] bf16 (fp8 and nvfp4 dispatch also take fp16/fp32: they quantise inside the send);
     topk_ids_TK [T, K] int32 (-1 = unused); topk_weights_TK [T, K] fp32. Returns the
     send-side layout, which :func:`dispatch_recv` and the combine need.
     """
@@ -583,16 +611,22 @@ def dispatch_send_torch(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch
     if layout is None:
         layout = compute_layout_torch(topk_ids_TK=topk_ids_TK, world_size=cfg.world_size,
                                     experts_per_rank=cfg.experts_per_rank)
-    me, N, L = bufs.rank, cfg.max_tokens_per_rank, cfg.experts_per_rank
-    fp8 = cfg.dispatch_dtype == "fp8"
-    rows, scales = quantize_fp8_torch(x_TH) if fp8 else (x_TH, None)
+    me, N, L, H = bufs.rank, cfg.max_tokens_per_rank, cfg.experts_per_rank, cfg.hidden_size
+    fp8, nvfp4 = cfg.dispatch_dtype == "fp8", cfg.dispatch_dtype == "nvfp4"
+    quantize = {"fp8": quantize_fp8_torch, "nvfp4": quantize_nvfp4_torch}.get(cfg.dispatch_dtype)
+    rows, scales = quantize(x_TH) if quantize else (x_TH, None)
     meta = pack_meta_torch(topk_ids_TK, layout.ordinals_TK, topk_weights_TK)
     epoch = int(ws.epochs[EPOCH_DISPATCH])
     for d, peer in enumerate(bufs.peers):
         slots = layout.token_slots_TR[:, d].long()
         sent = slots >= 0
         dst_rows = me * N + slots[sent]
-        peer["dispatch.recv.x"].view(-1, cfg.hidden_size)[dst_rows] = rows[sent]
+        if nvfp4:  # into the wire rows: packed codes, then block scales (as bytes)
+            q_view, s_view = wire_views(peer["dispatch.recv.x"].view(-1, nvfp4_row_bytes(H)), H)
+            q_view[dst_rows] = rows[sent]
+            s_view.view(torch.uint8)[dst_rows] = scales[sent].view(torch.uint8)
+        else:
+            peer["dispatch.recv.x"].view(-1, H)[dst_rows] = rows[sent]
         if fp8:
             peer["dispatch.recv.scales"].view(-1, cfg.hidden_size // FP8_GROUP)[dst_rows] = scales[sent]
         peer["dispatch.recv.meta"].view(-1, 3 * cfg.top_k)[dst_rows] = meta[sent]

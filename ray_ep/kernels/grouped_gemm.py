@@ -11,7 +11,10 @@ output row m of expert e::
     A_row(m) = a[a_row_ids[m]] if a_row_ids is given else a[m]
 
 An fp8 ``a`` (e4m3) comes with ``a_scales`` [rows of a, G] fp32 and is dequantised per tile
-(``bf16(fp8 * scale)``) before the dot. ``row_offsets`` / ``num_tokens`` stay on the device:
+(``bf16(fp8 * scale)``) before the dot. An nvfp4 ``a`` is uint8 [rows of a, D / 2], two e2m1
+codes per byte, with ``a_scales`` [rows of a, D / 16] float8_e4m3fn (both may be strided views
+of the dispatch's wire rows); per tile ``bf16(e2m1(code) * scale)``, exact (per-tensor scale 1,
+see :mod:`ray_ep.nvfp4`). ``row_offsets`` / ``num_tokens`` stay on the device:
 the grid covers the worst case and each program finds its (expert, m tile, n tile) from
 ``num_tokens``, so the host never waits. A tile never spans two experts.
 
@@ -27,12 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import FP8_GROUP
+from ..config import FP8_GROUP, NVFP4_BLOCK
 from ..errors import EPInputError
+from ..nvfp4 import dequantize_nvfp4_torch
 from ..validation import check_tensor
 from ._util import interpreted
+from .nvfp4 import unpack_nvfp4_tile
 
-A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.uint8)  # uint8: nvfp4, two codes per byte
 
 
 @triton.jit
@@ -43,7 +48,7 @@ def _grouped_gemm_kernel(
     stride_bl, stride_bd, stride_bo, stride_cm, stride_co,
     D: tl.constexpr, HAS_ROW_IDS: tl.constexpr, FP8: tl.constexpr, GROUP_D: tl.constexpr,
     DOT_FP32: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, NVFP4: tl.constexpr,
 ):
     # D is constexpr: the interpreter (numpy >= 2) cannot loop up to a runtime scalar, and a
     # fixed D per weight shape costs one compile per GEMM of the model.
@@ -92,7 +97,17 @@ def _grouped_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
             d_mask = offs_d < D - d0
-            a = tl.load(a_ptrs, mask=a_mask[:, None] & d_mask[None, :], other=0.0)
+            if NVFP4:
+                # BLOCK_D / 2 packed bytes and BLOCK_D / 16 scale bits (uint8) per row
+                pc = d0 // 2 + tl.arange(0, BLOCK_D // 2)
+                packed = tl.load(a_ptr + src[:, None] * stride_am + pc[None, :] * stride_ad,
+                                 mask=a_mask[:, None] & (pc[None, :] < D // 2), other=0)
+                bc = d0 // 16 + tl.arange(0, BLOCK_D // 16)
+                bits = tl.load(a_scales_ptr + src[:, None] * stride_sm + bc[None, :] * stride_sd,
+                               mask=a_mask[:, None] & (bc[None, :] < D // 16), other=0)
+                a = unpack_nvfp4_tile(packed, bits).to(tl.bfloat16)
+            else:
+                a = tl.load(a_ptrs, mask=a_mask[:, None] & d_mask[None, :], other=0.0)
             if FP8:
                 # BLOCK_D divides 128: the whole d tile shares one scale per row
                 s = tl.load(a_scales_ptr + src * stride_sm + (d0 // GROUP_D) * stride_sd,
@@ -121,7 +136,8 @@ def _launch_config(device: torch.device) -> dict[str, int]:
     (196 KB of shared memory, fits H100/H200) ran gate_up (D 7168, O 4096) at 649 TFLOP/s and
     down (D 2048, O 7168) at 602, against 552/514 with 3 stages and ~460/430 for 128x128 tiles;
     torch.matmul per expert ran 752/614. Decode (16 rows per expert) is weight-bandwidth bound
-    and ran the same with BLOCK_M 64 or 128. BLOCK_D must divide 128 (one fp8 scale per d tile)."""
+    and ran the same with BLOCK_M 64 or 128. BLOCK_D must divide 128 (one fp8 scale per d tile)
+    and be a multiple of 32 (whole nvfp4 blocks, whole packed bytes)."""
     if device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_O=64, BLOCK_D=64, num_warps=4, num_stages=1)
     return dict(BLOCK_M=128, BLOCK_O=256, BLOCK_D=64, num_warps=8, num_stages=4)
@@ -132,7 +148,8 @@ def _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_sca
     """Validate the arguments of :func:`grouped_gemm` / its twin; returns (M_max, D, O, L)."""
     check_tensor("a", a, dims=2, dtypes=A_DTYPES)
     dev = a.device
-    D = a.shape[1]
+    nvfp4 = a.dtype == torch.uint8
+    D = 2 * a.shape[1] if nvfp4 else a.shape[1]
     check_tensor("b_LDO", b_LDO, dims=3, dtypes=(torch.bfloat16,), device=dev)
     L, Db, O = b_LDO.shape
     if Db != D:
@@ -157,8 +174,16 @@ def _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_sca
             raise EPInputError("fp8 a needs a_scales [rows of a, D / 128] fp32")
         check_tensor("a_scales", a_scales, shape=(a.shape[0], D // FP8_GROUP),
                      dtypes=(torch.float32,), device=dev)
+    elif nvfp4:
+        if D % NVFP4_BLOCK:
+            raise EPInputError(f"nvfp4 a [rows, D / 2] needs D % {NVFP4_BLOCK} == 0 (one scale per "
+                               f"{NVFP4_BLOCK} columns), got D = {D}")
+        if a_scales is None:
+            raise EPInputError("nvfp4 a (uint8, two codes per byte) needs a_scales [rows of a, D / 16] float8_e4m3fn")
+        check_tensor("a_scales", a_scales, shape=(a.shape[0], D // NVFP4_BLOCK), dtypes=(torch.float8_e4m3fn,),
+                     device=dev)
     elif a_scales is not None:
-        raise EPInputError(f"a_scales is only for fp8 a; a is {str(a.dtype).replace('torch.', '')}")
+        raise EPInputError(f"a_scales is only for fp8 and nvfp4 a; a is {str(a.dtype).replace('torch.', '')}")
     if num_sms is not None and (not isinstance(num_sms, int) or num_sms <= 0):
         raise EPInputError(f"num_sms must be a positive int or None, got {num_sms!r}")
     return M, D, O, L
@@ -171,8 +196,8 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     """Per-expert ``c = A @ b[e]`` over expert-major rows, without a host sync.
 
     Args:
-        a: [rows, D] bf16 or float8_e4m3fn; any strides. Without ``a_row_ids``, rows = M_max
-            and output row m reads ``a[m]``.
+        a: [rows, D] bf16 or float8_e4m3fn, or [rows, D / 2] uint8 (nvfp4: two e2m1 codes per
+            byte); any strides. Without ``a_row_ids``, rows = M_max and output row m reads ``a[m]``.
         b_LDO: [L, D, O] bf16 expert weights (D the reduction dim); any strides (row-major
             [D, O] per expert is fastest).
         row_offsets_L1: [L + 1] int32 on the device, start of each expert's segment.
@@ -180,7 +205,8 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
             (``num_tokens[e] <= row_offsets[e+1] - row_offsets[e]``, not checked: no sync).
         a_row_ids: optional [M_max] int32: output row m reads ``a[a_row_ids[m]]`` (a gather,
             e.g. from a receive buffer); only real rows are read.
-        a_scales: [rows, D / 128] fp32, required iff ``a`` is fp8 (``A = bf16(a * scale)``).
+        a_scales: [rows, D / 128] fp32, required iff ``a`` is fp8 (``A = bf16(a * scale)``);
+            [rows, D / 16] float8_e4m3fn, required iff ``a`` is nvfp4 (any strides).
         out: optional [M_max, O] bf16 (any strides); padding rows keep their contents. When
             None, a ``torch.empty`` tensor is returned whose padding rows are undefined.
         num_sms: None launches one program per worst-case tile (most exit at once); an int
@@ -213,17 +239,21 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     worst_tiles = worst_m_tiles * triton.cdiv(O, bo)
     grid = (max(1, worst_tiles if num_sms is None else min(num_sms, worst_tiles)),)
     fp8 = a.dtype == torch.float8_e4m3fn
+    nvfp4 = a.dtype == torch.uint8
     # 1-D index vectors are tiny: contiguous copies (on the device, no sync) keep the kernel simple
     row_offsets_L1 = row_offsets_L1.contiguous()
     num_tokens_L = num_tokens_L.contiguous()
     row_ids = a_row_ids.contiguous() if a_row_ids is not None else num_tokens_L  # dummy when unused
-    scales = a_scales if fp8 else a  # dummy pointer when unused
+    if nvfp4:
+        scales = a_scales.view(torch.uint8)  # the kernel decodes the e4m3 bits
+    else:
+        scales = a_scales if fp8 else a  # dummy pointer when unused
     _grouped_gemm_kernel[grid](
         a_ptr=a, a_scales_ptr=scales, a_row_ids_ptr=row_ids, b_ptr=b_LDO, c_ptr=out, row_offsets_ptr=row_offsets_L1,
         num_tokens_ptr=num_tokens_L, L=L, O=O, stride_am=a.stride(0), stride_ad=a.stride(1),
         stride_sm=scales.stride(0), stride_sd=scales.stride(1), stride_bl=b_LDO.stride(0), stride_bd=b_LDO.stride(1),
         stride_bo=b_LDO.stride(2), stride_cm=out.stride(0), stride_co=out.stride(1),
-        D=D, HAS_ROW_IDS=a_row_ids is not None, FP8=fp8, GROUP_D=FP8_GROUP, DOT_FP32=dev.type != "cuda",
+        D=D, HAS_ROW_IDS=a_row_ids is not None, FP8=fp8, NVFP4=nvfp4, GROUP_D=FP8_GROUP, DOT_FP32=dev.type != "cuda",
         BLOCK_L=max(2, triton.next_power_of_2(L)), **cfg,
     )
     return out
@@ -247,7 +277,10 @@ def grouped_gemm_torch(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: 
         rows = torch.arange(lo, lo + n, device=a.device)
         src = a_row_ids[lo:lo + n].long() if a_row_ids is not None else rows
         valid = src >= 0
-        x = a[src.clamp(min=0)].float()
+        if a.dtype == torch.uint8:
+            x = dequantize_nvfp4_torch(a[src.clamp(min=0)], a_scales[src.clamp(min=0)]).float()
+        else:
+            x = a[src.clamp(min=0)].float()
         if a.dtype == torch.float8_e4m3fn:
             g = x.reshape(n, D // FP8_GROUP, FP8_GROUP) * a_scales[src.clamp(min=0)][..., None]
             x = g.reshape(n, D).to(torch.bfloat16).float()

@@ -407,6 +407,8 @@ def moe_layer_reference(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weig
     x = x_TH.to(torch.bfloat16)
     if dispatch_dtype == "fp8":
         x = reference.dequantize_fp8(*reference.quantize_fp8(x)).to(torch.bfloat16)
+    elif dispatch_dtype == "nvfp4":
+        x = reference.dequantize_nvfp4(*reference.quantize_nvfp4(x)).to(torch.bfloat16)
     ids = topk_ids_TK.long()
     y_TKH = torch.zeros(T, K, H, dtype=torch.bfloat16)
     for e in torch.unique(ids[ids >= 0]).tolist():

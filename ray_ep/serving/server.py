@@ -556,7 +556,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help=f"{text} (default {MoEModelConfig.model_fields[name].default})")
     e = parser.add_argument_group("expert parallelism")
     e.add_argument("--backend", choices=["auto", "nvshmem", "torch"], help="EP backend (default auto)")
-    e.add_argument("--dispatch-dtype", choices=["bf16", "fp8"], help="dispatch wire format (default bf16)")
+    e.add_argument("--dispatch-dtype", choices=["bf16", "fp8", "nvfp4"], help="dispatch wire format (default bf16)")
     e.add_argument("--combine-dtype", choices=["bf16", "fp32"], help="combine wire format (default bf16)")
     return parser
 

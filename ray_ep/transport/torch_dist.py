@@ -16,12 +16,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..config import FP8_GROUP, EPConfig
+from ..config import FP8_GROUP, NVFP4_BLOCK, EPConfig
 from ..errors import EPInputError
 from ..fp8 import quantize_fp8_torch
+from ..nvfp4 import quantize_nvfp4_torch
 from ..kernels.combine import combine_partials_torch, combine_sum_torch
 from ..kernels.dispatch import expert_major_torch, pack_meta_torch
 from ..kernels.layout import compute_layout, compute_layout_torch
+from ..kernels.nvfp4 import quantize_nvfp4
 from ..kernels.quant import quantize_fp8
 from ..types import DispatchHandle, DispatchLayout
 from ..validation import check_send_inputs
@@ -76,7 +78,9 @@ class TorchTransport(Transport):
         self.group = dist.group.WORLD
         # Triton layout kernel on GPUs (fast), its torch twin on CPUs (no interpreter cost)
         self._layout = compute_layout if device.type == "cuda" else compute_layout_torch
-        self._quant = quantize_fp8 if device.type == "cuda" else quantize_fp8_torch
+        on_gpu = device.type == "cuda"
+        self._quant = {"fp8": quantize_fp8 if on_gpu else quantize_fp8_torch,
+                       "nvfp4": quantize_nvfp4 if on_gpu else quantize_nvfp4_torch}.get(cfg.dispatch_dtype)
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
              async_op: bool = False):
@@ -99,17 +103,17 @@ class TorchTransport(Transport):
         slots = layout.token_slots_TR
         order = [torch.nonzero(slots[:, d] >= 0).flatten() for d in range(R)]
         idx = torch.cat(order) if order else torch.empty(0, dtype=torch.int64, device=self.device)
-        fp8 = cfg.dispatch_dtype == "fp8"
-        rows, scales = self._quant(x_TH=x_TH) if fp8 else (x_TH, None)
+        rows, scales = self._quant(x_TH=x_TH) if self._quant else (x_TH, None)
         meta = pack_meta_torch(topk_ids_TK, layout.ordinals_TK, topk_weights_TK)
         n_in = sum(recv_splits)
-        r_rows = torch.empty(n_in, H, dtype=rows.dtype, device=self.device)
+        r_rows = torch.empty(n_in, rows.shape[1], dtype=rows.dtype, device=self.device)  # nvfp4: H / 2 bytes
         r_meta = torch.empty(n_in, 3 * cfg.top_k, dtype=torch.int32, device=self.device)
         works = [self._a2a(r_rows, rows[idx], recv_splits, in_splits, async_op=True),
                  self._a2a(r_meta, meta[idx], recv_splits, in_splits, async_op=True)]
         r_scales = None
-        if fp8:
-            r_scales = torch.empty(n_in, H // FP8_GROUP, dtype=torch.float32, device=self.device)
+        if scales is not None:  # fp8: [H / 128] fp32; nvfp4: [H / 16] e4m3
+            group = FP8_GROUP if cfg.dispatch_dtype == "fp8" else NVFP4_BLOCK
+            r_scales = torch.empty(n_in, H // group, dtype=scales.dtype, device=self.device)
             works.append(self._a2a(r_scales, scales[idx], recv_splits, in_splits, async_op=True))
         return _PendingDispatch(layout, counts, recv_splits, r_rows, r_scales, r_meta, works, x_TH.shape[0])
 

@@ -1,0 +1,146 @@
+"""Accuracy of the MoE layer by dispatch dtype: fp8 and nvfp4 against bf16 dispatch.
+
+    python -m ray_ep.bench.accuracy --preset tiny --world 2            # CPU workers
+    python -m ray_ep.bench.accuracy --preset deepseek-v3 --gpus 4      # GPUs (nvshmem)
+
+Every rank draws its seeded inputs (x ~ N(0, 1) times ``--x-scale``, router ids and weights) and
+runs whole MoE layers (dispatch, seeded routed and shared experts, combine; fp32 output) once
+per dispatch dtype, on the same experts. The figures compare each dtype's output y with the
+bf16-dispatch output y0 of the same tokens: ``rel`` = ||y - y0|| / ||y0|| over all tokens of
+all ranks, and per token ||y_t - y0_t|| / ||y0_t||, its mean and largest. Only the dispatch
+rounding differs (the combine dtype is the config's, bf16 by default, on both sides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+
+from ..config import PRESETS, EPConfig
+from ..inputs import ROUTINGS, rank_inputs
+
+DTYPES = ("fp8", "nvfp4")
+
+
+@dataclass(frozen=True)
+class AccuracyRow:
+    """One dispatch dtype's MoE output against bf16 dispatch, over all ranks' tokens."""
+
+    preset: str
+    dtype: str
+    x_scale: float
+    tokens: int
+    rel: float
+    token_rel_mean: float
+    token_rel_max: float
+
+
+def rank_errors(worker, groups: dict[str, str], *, num_tokens: int, seed: int, routing: str,
+                x_scale: float) -> dict:
+    """Inside a worker (``EPCluster.run``): this rank's squared errors of each dtype's layer
+    output against the bf16 group's (``groups``: dtype -> group name, bf16 first; collective)."""
+    from ..kernels.experts import ExpertScratch
+
+    base = worker.group_state(groups["bf16"])
+    if 0 not in base.experts:
+        worker.load_experts(seed=seed, group=groups["bf16"], draw_on_device=True)
+    outs = {}
+    for dt, name in groups.items():
+        g = worker.group_state(name)
+        if 0 not in g.experts:  # the same expert tensors in every group
+            g.experts[0] = base.experts[0]
+            if g.scratch is None:
+                g.scratch = ExpertScratch.allocate(g.cfg, worker.device)
+        x, ids, w = rank_inputs(g.cfg, num_tokens, worker.rank, seed, routing, device=worker.device)
+        outs[dt] = worker.moe(x * x_scale, ids, w, group=name, out_dtype="fp32").float()
+    ref = outs["bf16"]
+    ref_norm = ref.norm(dim=1).clamp_min(1e-30)
+    res = {}
+    for dt, y in outs.items():
+        tok = (y - ref).norm(dim=1) / ref_norm
+        res[dt] = {"sq_err": float(((y - ref) ** 2).sum()), "sq_ref": float((ref ** 2).sum()),
+                   "tok_sum": float(tok.sum()), "tok_max": float(tok.max()) if tok.numel() else 0.0,
+                   "tokens": int(tok.numel())}
+    return res
+
+
+def measure(cluster, preset: str, *, dtypes: Sequence[str] = DTYPES, num_tokens: int = 256, seed: int = 0,
+            routing: str = "uniform", x_scales: Sequence[float] = (1.0,)) -> list[AccuracyRow]:
+    """Rows of :class:`AccuracyRow` for ``dtypes`` on a started cluster (one worker group per
+    dispatch dtype, dropped afterwards)."""
+    base = cluster.config
+    groups = {dt: f"accuracy/{dt}" for dt in ("bf16", *dtypes)}
+    made = []
+    try:
+        for dt, name in groups.items():
+            cfg = EPConfig.preset(preset, n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node,
+                                  max_tokens_per_rank=num_tokens, dispatch_dtype=dt)
+            cluster.call_workers("add_group", name, cfg)
+            made.append(name)
+        rows = []
+        for xs in x_scales:
+            per_rank = cluster.run(rank_errors, groups, num_tokens=num_tokens, seed=seed, routing=routing, x_scale=xs)
+            for dt in dtypes:
+                r = [p[dt] for p in per_rank]
+                n = sum(v["tokens"] for v in r)
+                rows.append(AccuracyRow(preset, dt, xs, n, math.sqrt(sum(v["sq_err"] for v in r)
+                                                                     / max(sum(v["sq_ref"] for v in r), 1e-30)),
+                                        sum(v["tok_sum"] for v in r) / max(n, 1), max(v["tok_max"] for v in r)))
+        return rows
+    finally:
+        for name in made:
+            cluster.call_workers("drop_group", name)
+
+
+def table(rows: Sequence[AccuracyRow]) -> str:
+    head = f"{'preset':<14}{'dispatch':<10}{'x scale':>9}{'tokens':>8}{'rel error':>11}{'token mean':>12}{'token max':>11}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.preset:<14}{r.dtype:<10}{r.x_scale:>9g}{r.tokens:>8}{r.rel:>11.4f}{r.token_rel_mean:>12.4f}"
+                     f"{r.token_rel_max:>11.4f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ..cli import positive_int
+    from ..driver import EPCluster
+
+    ap = argparse.ArgumentParser(prog="python -m ray_ep.bench.accuracy", description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
+    ap.add_argument("--gpus", type=positive_int, help="GPUs (ranks) on one node; default: all, or 2 CPU workers")
+    ap.add_argument("--world", type=positive_int, help="ranks (CPU workers when there is no GPU)")
+    ap.add_argument("--tokens", type=positive_int, default=256, help="tokens per rank (default 256)")
+    ap.add_argument("--routing", default="uniform", choices=ROUTINGS)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--x-scale", default="1", help="comma list: x ~ N(0, 1) times each (default 1)")
+    ap.add_argument("--dispatch-dtype", default=",".join(DTYPES), help="comma list of fp8,nvfp4")
+    ap.add_argument("--json", help="write the rows to this JSON file")
+    ap.add_argument("--address", default=None, help="Ray address (default: start a local Ray)")
+    a = ap.parse_args(argv)
+    dtypes = [d for d in a.dispatch_dtype.split(",") if d]
+    if any(d not in DTYPES for d in dtypes):
+        ap.error(f"--dispatch-dtype: choose from {','.join(DTYPES)}")
+    gpus = torch.cuda.device_count()
+    world = a.gpus or a.world or gpus or 2
+    cfg = EPConfig.preset(a.preset, n_nodes=1, gpus_per_node=world, max_tokens_per_rank=a.tokens)
+    with EPCluster(cfg, address=a.address) as ep:
+        rows = measure(ep, a.preset, dtypes=dtypes, num_tokens=a.tokens, seed=a.seed, routing=a.routing,
+                       x_scales=[float(s) for s in a.x_scale.split(",")])
+        backend = ep.backend
+    print(f"# {a.preset}: {world} ranks, backend {backend}, {a.routing} routing, seed {a.seed}; "
+          f"error of the MoE output against bf16 dispatch")
+    print(table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""nvfp4 quantisation (e2m1 values packed two per byte, one e4m3 scale per 16 channels, one
+fp32 per-tensor scale) and back, as Triton kernels.
+
+Legend: T rows, H channels, P = H / 2 packed bytes, B = H / 16 scale blocks.
+
+The format and its rounding are defined in :mod:`ray_ep.nvfp4` (whose torch functions are the
+twins of these kernels). Hopper has no fp4 type: codes are built and unpacked with integer ops,
+the block scales go through ``tl.float8e4nv`` only after being rounded onto the e4m3 grid in
+fp32 (see :func:`ray_ep.kernels.quant.round_to_e4m3`), so the conversion itself is exact.
+The device helpers :func:`quantize_nvfp4_tile`, :func:`e2m1_to_f32` and :func:`e4m3_bits_to_f32`
+are shared with the dispatch send and the grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import E2M1_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_SCALE
+from ..nvfp4 import check_dequantize_inputs, check_quantize_inputs
+from ._util import tile_shape
+from .quant import round_to_e4m3
+
+_BLOCK = tl.constexpr(NVFP4_BLOCK)
+_E2M1_MAX = tl.constexpr(E2M1_MAX)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def quantize_nvfp4_tile(x, g):
+    """Quantise a [ROWS, C] fp32 tile (C a multiple of 32) with per-tensor scale g (fp32).
+
+    Returns (packed uint8 [ROWS, C / 2], block scales as e4m3 bits uint8 [ROWS, C / 16]).
+    Example (g = 1): a block with amax 3.0 gets scale 0.5 (bits 0x30); 1.3 in it is 2.6 ->
+    code 5 (3.0); -0.2 is 0.4 -> code 0x9 (-0.5).
+    """
+    ROWS: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    b = tl.reshape(x, (ROWS, C // _BLOCK, _BLOCK))
+    amax = tl.max(tl.abs(b), axis=2)
+    six_g = tl.full(amax.shape, _E2M1_MAX, tl.float32) * g
+    s = round_to_e4m3(tl.minimum(tl.math.div_rn(amax, six_g), _FP8_MAX))  # on the e4m3 grid, >= 0
+    d = s * g
+    pos = d > 0
+    inv = tl.where(pos, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(pos, d, 1.0)), 0.0)
+    v = tl.abs(b) * inv[:, :, None]
+    # round to nearest even onto {0, 0.5, 1, 1.5, 2, 3, 4, 6}: the code counts the midpoints
+    # passed; at a midpoint (>=) only where the upper code is even (0.75 -> 2, 1.75 -> 4, 3.5 -> 6)
+    code = ((v > 0.25).to(tl.int32) + (v >= 0.75).to(tl.int32) + (v > 1.25).to(tl.int32)
+            + (v >= 1.75).to(tl.int32) + (v > 2.5).to(tl.int32) + (v >= 3.5).to(tl.int32)
+            + (v > 5.0).to(tl.int32))
+    sign = (b.to(tl.int32, bitcast=True) >> 31) & 1  # the sign bit of x, -0.0 included
+    code = tl.reshape(code | (sign << 3), (ROWS, C // 2, 2))
+    lo, hi = tl.split(code)  # channel 2i in the low nibble of byte i
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    bits = s.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return packed, bits
+
+
+@triton.jit
+def wire_row_bytes(H):
+    """Bytes of an nvfp4 wire row of H channels (:func:`ray_ep.config.nvfp4_row_bytes`):
+    H / 2 packed, then H / 16 scales padded to 16 bytes. Example: H 128 -> 64 + 16 = 80."""
+    return H // 2 + (H // 16 + 15) // 16 * 16
+
+
+@triton.jit
+def e2m1_to_f32(code):
+    """fp32 values of int32 codes 0..15 (integer ops only: Hopper has no fp4 type).
+    Example: 0x5 -> 3.0, 0x9 -> -0.5, 0x8 -> -0.0."""
+    e = (code >> 1) & 3
+    m = code & 1
+    # e >= 1: 2^(e - 1) * (1 + m / 2), i.e. fp32 exponent e + 126 and mantissa bit 22 = m;
+    # e = 0: 0 or 0.5 (0x3F000000)
+    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * 0x3F000000)
+    v = bits.to(tl.float32, bitcast=True)
+    # times -1, not unary minus: Triton lowers -v to 0 - v, which turns -0 into +0
+    return tl.where(code >= 8, v * -1.0, v)
+
+
+@triton.jit
+def e4m3_bits_to_f32(bits):
+    """fp32 values of e4m3 block scales held as uint8 bits."""
+    return bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def unpack_nvfp4_tile(packed, bits):
+    """fp32 [ROWS, 2 * P] of packed codes [ROWS, P] and their block scales' bits [ROWS, P / 8]
+    (per-tensor scale 1)."""
+    ROWS: tl.constexpr = packed.shape[0]
+    P: tl.constexpr = packed.shape[1]
+    p = packed.to(tl.int32)
+    codes = tl.reshape(tl.join(p & 15, p >> 4), (ROWS, P // (_BLOCK // 2), _BLOCK))
+    v = e2m1_to_f32(codes) * e4m3_bits_to_f32(bits)[:, :, None]
+    return tl.reshape(v, (ROWS, 2 * P))
+
+
+@triton.jit
+def _quantize_nvfp4_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_x, global_scale,
+                           BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows[:, None] < T
+    r64 = rows[:, None].to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=rmask & (cols[None, :] < H), other=0.0)
+        q, s = quantize_nvfp4_tile(x.to(tl.float32), global_scale)
+        pc = h0 // 2 + tl.arange(0, BLOCK_H // 2)
+        tl.store(q_ptr + r64 * (H // 2) + pc[None, :], q, mask=rmask & (pc[None, :] < H // 2))
+        bc = h0 // _BLOCK + tl.arange(0, BLOCK_H // _BLOCK)
+        tl.store(s_ptr + r64 * (H // _BLOCK) + bc[None, :], s, mask=rmask & (bc[None, :] < H // _BLOCK))
+
+
+@triton.jit
+def _dequantize_nvfp4_kernel(q_ptr, s_ptr, out_ptr, T, H, stride_q, stride_s, global_scale,
+                             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows[:, None] < T
+    r64 = rows[:, None].to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        pc = h0 // 2 + tl.arange(0, BLOCK_H // 2)
+        p = tl.load(q_ptr + r64 * stride_q + pc[None, :], mask=rmask & (pc[None, :] < H // 2), other=0)
+        bc = h0 // _BLOCK + tl.arange(0, BLOCK_H // _BLOCK)
+        bits = tl.load(s_ptr + r64 * stride_s + bc[None, :], mask=rmask & (bc[None, :] < H // _BLOCK), other=0)
+        p32 = p.to(tl.int32)
+        codes = tl.reshape(tl.join(p32 & 15, p32 >> 4), (BLOCK_T, BLOCK_H // _BLOCK, _BLOCK))
+        d = e4m3_bits_to_f32(bits) * global_scale
+        v = tl.reshape(e2m1_to_f32(codes) * d[:, :, None], (BLOCK_T, BLOCK_H))
+        cols = h0 + tl.arange(0, BLOCK_H)
+        tl.store(out_ptr + r64 * H + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=rmask & (cols[None, :] < H))
+
+
+def quantize_nvfp4(*, x_TH: torch.Tensor, global_scale: float = NVFP4_GLOBAL_SCALE
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise rows to nvfp4 (see :mod:`ray_ep.nvfp4` for the format and its rounding).
+
+    x_TH [T, H] bf16/fp16/fp32, H a multiple of 16 (rows may be strided). Returns q_TP [T, H/2]
+    uint8 (two e2m1 codes per byte, channel 2i in the low nibble) and scales_TB [T, H/16]
+    float8_e4m3fn. Example (g = 1): a block with amax 3.0 gets scale 0.5, and 1.3 in it becomes
+    code 5 (3.0 * 0.5 = 1.5 back).
+    """
+    check_quantize_inputs(x_TH, global_scale)
+    T, H = x_TH.shape
+    q = torch.empty(T, H // 2, dtype=torch.uint8, device=x_TH.device)
+    s = torch.empty(T, H // NVFP4_BLOCK, dtype=torch.uint8, device=x_TH.device)
+    if T:
+        bt, bh = tile_shape(H, x_TH.device, multiple=2 * NVFP4_BLOCK)
+        _quantize_nvfp4_kernel[(triton.cdiv(T, bt),)](x_ptr=x_TH, q_ptr=q, s_ptr=s, T=T, H=H, stride_x=x_TH.stride(0),
+                                                       global_scale=float(global_scale), BLOCK_T=bt, BLOCK_H=bh)
+    return q, s.view(torch.float8_e4m3fn)
+
+
+def dequantize_nvfp4(*, q_TP: torch.Tensor, scales_TB: torch.Tensor, global_scale: float = NVFP4_GLOBAL_SCALE,
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """nvfp4 rows back to ``out_dtype`` [T, H]: ``e2m1(code) * (scale * global_scale)`` in fp32.
+    q_TP [T, H/2] uint8 and scales_TB [T, H/16] float8_e4m3fn may be strided (views of wire rows)."""
+    check_dequantize_inputs(q_TP, scales_TB, global_scale)
+    T, P = q_TP.shape
+    out = torch.empty(T, 2 * P, dtype=out_dtype, device=q_TP.device)
+    if T:
+        bt, bh = tile_shape(2 * P, q_TP.device, multiple=2 * NVFP4_BLOCK)
+        _dequantize_nvfp4_kernel[(triton.cdiv(T, bt),)](q_ptr=q_TP, s_ptr=scales_TB.view(torch.uint8), out_ptr=out,
+                                                         T=T, H=2 * P, stride_q=q_TP.stride(0),
+                                                         stride_s=scales_TB.stride(0), global_scale=float(global_scale),
+                                                         BLOCK_T=bt, BLOCK_H=bh)
+    return out
