@@ -119,6 +119,30 @@ def test_bench_cli_torch_tiny_world_2(ray_session, tmp_path, capsys):
     assert png.stat().st_size > 1000
 
 
+def test_layer_rows_with_experts_alone(ray_session, tmp_path, capsys):
+    js = tmp_path / "layer.json"
+    rc = cli.main(["bench", "--backend", "torch", "--preset", "tiny", "--world", "2", "--iters", "2", "--warmup", "1",
+                   "--layer", "--dispatch-dtype", "bf16", "--json", str(js), "--quiet"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = {r["op"]: r for r in json.loads(js.read_text())["rows"]}
+    assert {"dispatch", "combine", "layer", "experts"} <= set(rows)
+    # the same work in both rows; the layer adds the communication
+    assert rows["experts"]["tflops"] > 0 and rows["layer"]["tflops"] > 0
+    assert rows["experts"]["tflops"] * rows["experts"]["median_us"] == pytest.approx(
+        rows["layer"]["tflops"] * rows["layer"]["median_us"])
+    assert "# experts tiny bf16 uniform T=32" in out and "per rank" in out
+
+
+def test_expert_flops_counts_routed_rows_and_shared_experts():
+    from ray_ep.bench.loops import expert_flops
+
+    cfg = EPConfig.preset("tiny", gpus_per_node=2, n_shared_experts=1)
+    H, F = cfg.hidden_size, cfg.intermediate_size
+    assert expert_flops(cfg, 10, 4) == 2 * H * 3 * F * (10 + 4)
+    assert expert_flops(cfg.model_copy(update={"n_shared_experts": 0}), 10, 4) == 2 * H * 3 * F * 10
+
+
 def test_sm_budget_sweep_flag():
     assert runner.sm_budgets("24") == [24]
     assert runner.sm_budgets("16, 24,all") == [16, 24, None]

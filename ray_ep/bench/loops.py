@@ -41,6 +41,7 @@ class RankTimes:
     received_rows: int
     check_error: float
     misplaced_rows: int
+    flops: int = 0  # the experts' work per iteration (layer rows), for TFLOP/s
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,13 +146,22 @@ def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, 
     return RankTimes(rank, times, remote, received, err, bad)
 
 
+def expert_flops(cfg: EPConfig, expert_rows: int, num_tokens: int) -> int:
+    """Multiply-adds x 2 of a rank's experts: the routed experts over ``expert_rows`` rows
+    (gate_up H -> 2F, down F -> H) and the shared experts over its own ``num_tokens``."""
+    per_row = 2 * cfg.hidden_size * 3 * cfg.intermediate_size
+    return per_row * (expert_rows + cfg.n_shared_experts * num_tokens)
+
+
 def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, experts, scratch, num_tokens: int,
                 routing: str, seed: int, iters: int, warmup: int, sets: int = 3) -> RankTimes:
-    """A whole MoE layer: dispatch, grouped-GEMM experts, combine (+ shared experts)."""
+    """A whole MoE layer (dispatch, grouped-GEMM experts, combine, shared experts) and, on the
+    same dispatch, the experts alone (no communication: what the layer would take if
+    communication were free). ``flops`` is the experts' work on the first input set."""
     inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device) for i in range(sets)]
     clock = _Clock(device, t)
-    times: dict[str, list[float]] = {"layer": []}
-    remote = received = 0
+    times: dict[str, list[float]] = {"layer": [], "experts": []}
+    remote = received = flops = 0
     with t.deferred_checks():
         for i in range(warmup + iters):
             x, ids, w = inputs[i % sets]
@@ -160,12 +170,20 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
             y = run_experts(handle=h, experts=experts, scratch=scratch)
             t.combine(y, h, torch.bfloat16, shared_experts(x, experts))
             us = clock.stop(s)
+            # the dispatched rows stay in the buffers until the next dispatch, which no rank
+            # starts before the next iteration's barriers
+            s = clock.start()
+            run_experts(handle=h, experts=experts, scratch=scratch)
+            shared_experts(x, experts)
+            e_us = clock.stop(s)
             if i >= warmup:
                 times["layer"].append(us)
+                times["experts"].append(e_us)
             if i == 0:
                 remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
                 received = int(h.recv.recv_counts_R.sum())
-    return RankTimes(rank, times, remote, received, 0.0, 0)
+                flops = expert_flops(cfg, int(h.recv.num_tokens_L.sum()), x.shape[0])
+    return RankTimes(rank, times, remote, received, 0.0, 0, flops)
 
 
 def bench_alltoall(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rows_per_peer: int,

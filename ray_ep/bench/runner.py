@@ -75,6 +75,8 @@ class BenchRow:
     misplaced_rows: int = 0
     topology: str = ""
     """n_nodes x gpus_per_node, e.g. 1x4 (one node) or 2x2 (other-node ranks get NVSHMEM puts)."""
+    tflops: float | None = None
+    """experts and layer rows: the experts' dense work per GPU over the row's time (TFLOP/s)."""
 
 
 @dataclass
@@ -91,6 +93,13 @@ class BenchResult:
             lines.append(f"{r.preset:<21}{r.backend:<15}{r.topology:<5}{r.op:<11}{r.dtype:<6}{r.routing:<9}{r.tokens:>7}{r.sms:>5}"
                          f"{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}{r.remote_gbps:>12.2f}"
                          f"{r.received_gbps:>10.2f}{chk:>10}")
+        peak = dense_bf16_peak(self.meta.get("device", ""))
+        for r in self.rows:
+            if r.tflops is not None:
+                of_peak = f" ({100 * r.tflops / peak:.0f}% of the {peak:.0f} TFLOP/s dense bf16 peak)" if peak else ""
+                rate = f"{r.tflops:.0f} TFLOP/s" if r.tflops >= 1 else f"{r.tflops * 1e3:.2f} GFLOP/s"
+                lines.append(f"# {r.op} {r.preset} {r.dtype} {r.routing} T={r.tokens} SMs {r.sms}: experts at "
+                             f"{rate} per rank{of_peak}")
         if self.meta:
             lines.append(f"# {self.meta.get('device', '?')} x{self.meta.get('world_size', '?')}, "
                          f"commit {self.meta.get('commit', '?')}, {self.meta.get('iters', '?')} iterations")
@@ -268,6 +277,15 @@ def _pct(xs: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
+def dense_bf16_peak(device_name: str) -> float | None:
+    """Dense bf16 tensor-core peak (TFLOP/s, vendor figure) of a known GPU, else None."""
+    if "H100" in device_name and "PCIe" in device_name:
+        return 756.0
+    if "H100" in device_name or "H200" in device_name or "H800" in device_name:
+        return 989.4  # SXM
+    return None
+
+
 def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int, **labels: Any) -> BenchRow:
     """Median per rank, the slowest rank's median as the figure, p10/p90 over all samples."""
     medians = [statistics.median(r["times_us"][op]) for r in per_rank]
@@ -281,7 +299,17 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
                     remote_gbps=remote / slowest / 1e3 if slowest else 0.0,
                     received_gbps=received / slowest / 1e3 if slowest else 0.0,
                     check_error=max(checks) if op in ("dispatch", "combine") else None,
-                    misplaced_rows=sum(r["misplaced_rows"] for r in per_rank), **labels)
+                    misplaced_rows=sum(r["misplaced_rows"] for r in per_rank),
+                    tflops=_tflops(per_rank, slowest) if op in LAYER_OPS else None, **labels)
+
+
+LAYER_OPS = ("layer", "experts")  # rows that report the experts' TFLOP/s
+
+
+def _tflops(per_rank: list[dict], slowest_us: float) -> float | None:
+    """Mean experts' work per GPU over the slowest rank's time (CPU rows: None)."""
+    flops = statistics.mean(r.get("flops", 0) for r in per_rank)
+    return flops / slowest_us / 1e6 if flops and slowest_us else None
 
 
 class _Progress:
@@ -432,6 +460,7 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
         cluster.require_memory(cfg, what=f"the {p} {dt} rows", symmetric=True, layers=int(layer), scratch=layer)
         cluster.call_workers("add_group", name, cfg)
         interrupted = False
+        experts_done: set[tuple] = set()
         try:
             for (_, ddt, b, rt, T, sms) in plan:
                 if (ddt, sms) != (dt, num_sms):
@@ -450,6 +479,9 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
                     per_rank = cluster.run(run_row, "layer", group=name, backend=b, num_tokens=T,
                                            routing=rt, seed=seed, iters=iters, warmup=warmup)
                     result.rows.append(aggregate(per_rank, "layer", cfg, row_bytes(cfg, "dispatch"), **labels))
+                    if (rt, T) not in experts_done:  # the experts alone: the same kernels on every backend
+                        experts_done.add((rt, T))
+                        result.rows.append(aggregate(per_rank, "experts", cfg, 0, **labels))
                     bar.done()
             if baselines and (dt, num_sms) == groups[0]:
                 bar.start(f"{p}: all_to_all_single, equal splits")

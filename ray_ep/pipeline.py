@@ -1,0 +1,100 @@
+"""An MoE layer over micro-batches, so communication overlaps the experts.
+
+A rank's tokens are cut into ``n`` micro-batches, each with its own transport (its own
+symmetric buffers and epochs) and its own expert scratch. On a GPU the communication runs on
+a side stream and the experts on the caller's stream:
+
+    comm stream:    dispatch 0 | dispatch 1 | ...      | combine 0 (after experts 0) | combine 1 ...
+    compute stream:            | experts 0 (after d 0) | experts 1 (after d 1)       | ...
+
+so dispatch 1 flies while experts 0 compute, and combine 0 while experts 1 compute. It pays
+when the communication kernels run on a few SMs (``num_sms``) and leave the rest to the
+GEMMs. The output equals the serial layer's: every token's experts and weights are the same,
+only the order of the work changes. On CPU (no streams) the same schedule runs in order.
+
+Collective: every rank calls it with the same ``n`` (with 0 tokens if it has none); the
+micro-batch transports see their collectives in the same order on every rank (dispatch 0 .. n-1,
+then combine 0 .. n-1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+
+from .kernels.experts import ExpertScratch, LocalExperts, run_experts, shared_experts
+from .transport.base import Transport
+
+_comm_streams: dict[int, torch.cuda.Stream] = {}  # one side stream per device, reused
+
+
+def micro_batch_bounds(num_tokens: int, parts: int) -> list[tuple[int, int]]:
+    """Row ranges of ``parts`` micro-batches, the first ones one row longer when T does not
+    divide. Example: 5 tokens in 2 -> [(0, 3), (3, 5)]; 0 tokens -> [(0, 0), (0, 0)]."""
+    base, extra = divmod(num_tokens, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def micro_batch_tokens(max_tokens_per_rank: int, parts: int) -> int:
+    """The most tokens one micro-batch can hold (its transport's max_tokens_per_rank)."""
+    return -(-max_tokens_per_rank // parts)
+
+
+def _comm_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _comm_streams:
+        _comm_streams[index] = torch.cuda.Stream(device=device)
+    return _comm_streams[index]
+
+
+def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[ExpertScratch], experts: LocalExperts,
+                      x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                      out_dtype: torch.dtype = torch.bfloat16, fused: bool = True) -> torch.Tensor:
+    """One MoE layer (routed experts + shared experts) over ``len(transports)`` micro-batches;
+    out [T, H] ``out_dtype`` on the caller's stream. Receives flag errors on the device while
+    the layer runs; the error (timeout, overflow) is raised at the end."""
+    if len(transports) != len(scratches) or not transports:
+        raise ValueError(f"one scratch per micro-batch transport: got {len(transports)} transports and "
+                         f"{len(scratches)} scratches")
+    T, H = x_TH.shape
+    bounds = micro_batch_bounds(T, len(transports))
+    parts = [(x_TH[a:b], topk_ids_TK[a:b], topk_weights_TK[a:b]) for a, b in bounds]
+    out = torch.empty(T, H, dtype=out_dtype, device=x_TH.device)
+    with contextlib.ExitStack() as checks:
+        for t in transports:  # no host sync between the phases: the streams must run ahead
+            checks.enter_context(t.deferred_checks())
+        if x_TH.device.type != "cuda":
+            handles = [t.dispatch(*p, fused=fused) for t, p in zip(transports, parts)]
+            for (a, b), t, h, s, p in zip(bounds, transports, handles, scratches, parts):
+                y = run_experts(handle=h, experts=experts, scratch=s)
+                out[a:b] = t.combine(y, h, out_dtype, shared_experts(p[0], experts), fused=fused)
+            return out
+        compute = torch.cuda.current_stream(x_TH.device)
+        comm = _comm_stream(x_TH.device)
+        comm.wait_stream(compute)  # the inputs (and the buffers' last users) are ready
+        handles, dispatched = [], []
+        with torch.cuda.stream(comm):
+            for t, p in zip(transports, parts):
+                handles.append(t.dispatch(*p, fused=fused))
+                dispatched.append(torch.cuda.Event())
+                dispatched[-1].record(comm)
+        ys, adds, computed = [], [], []
+        for h, s, p, ev in zip(handles, scratches, parts, dispatched):
+            compute.wait_event(ev)
+            ys.append(run_experts(handle=h, experts=experts, scratch=s))
+            adds.append(shared_experts(p[0], experts))
+            computed.append(torch.cuda.Event())
+            computed[-1].record(compute)
+        with torch.cuda.stream(comm):
+            for (a, b), t, h, y, add, ev in zip(bounds, transports, handles, ys, adds, computed):
+                comm.wait_event(ev)
+                out[a:b] = t.combine(y, h, out_dtype, add, fused=fused)
+        compute.wait_stream(comm)
+        return out
