@@ -143,6 +143,13 @@ def test_expert_flops_counts_routed_rows_and_shared_experts():
     assert expert_flops(cfg.model_copy(update={"n_shared_experts": 0}), 10, 4) == 2 * H * 3 * F * 10
 
 
+def test_cuda_graph_flag_needs_gpus(capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    assert cli.main(["bench", "--cuda-graph", "--world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--cuda-graph" in err and "needs GPUs" in err and "Traceback" not in err
+
+
 def test_sm_budget_sweep_flag():
     assert runner.sm_budgets("24") == [24]
     assert runner.sm_budgets("16, 24,all") == [16, 24, None]

@@ -146,6 +146,51 @@ def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, 
     return RankTimes(rank, times, remote, received, err, bad)
 
 
+def bench_comm_graphs(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, num_tokens: int, routing: str,
+                      seed: int, iters: int, warmup: int, fused: bool, sets: int = 3) -> RankTimes:
+    """Dispatch and combine each captured once in a CUDA graph (as decode steps run in
+    production), then replayed on new inputs copied into the captured ones; each replay timed
+    on its own, as :func:`bench_comm` times the eager calls. The first replay is checked."""
+    inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device) for i in range(sets)]
+    x, ids, w = (v.clone() for v in inputs[0])
+    h = t.dispatch(x, ids, w, fused=fused)  # eager once: compiles, fills the allocator's pool
+    t.combine(identity_outputs(h), h, torch.bfloat16, fused=fused)
+    torch.cuda.synchronize()
+    g_dispatch, g_combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with t.deferred_checks():  # no host sync may happen inside a capture
+        with torch.cuda.graph(g_dispatch):
+            h = t.dispatch(x, ids, w, fused=fused)
+        y = torch.zeros(cfg.max_recv_rows, cfg.hidden_size, dtype=torch.bfloat16, device=device)
+        with torch.cuda.graph(g_combine):
+            out = t.combine(y, h, torch.bfloat16, fused=fused)
+    clock = _Clock(device, t)
+    times: dict[str, list[float]] = {"dispatch": [], "combine": []}
+    err, bad, remote, received = 0.0, 0, 0, 0
+    for i in range(warmup + iters):
+        xi, idsi, wi = inputs[i % sets]
+        x.copy_(xi)
+        ids.copy_(idsi)
+        w.copy_(wi)
+        s = clock.start()
+        g_dispatch.replay()
+        d_us = clock.stop(s)
+        y.copy_(identity_outputs(h))
+        s = clock.start()
+        g_combine.replay()
+        c_us = clock.stop(s)
+        t.check_status()  # a timeout or overflow flagged during the replays
+        if i == 0:
+            bad = misplaced_rows(h, cfg, rank)
+            exp = expected_round_trip(xi, wi, cfg)
+            err = ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item() if num_tokens else 0.0
+            remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
+            received = int(h.recv.recv_counts_R.sum())
+        if i >= warmup:
+            times["dispatch"].append(d_us)
+            times["combine"].append(c_us)
+    return RankTimes(rank, times, remote, received, err, bad)
+
+
 def expert_flops(cfg: EPConfig, expert_rows: int, num_tokens: int) -> int:
     """Multiply-adds x 2 of a rank's experts: the routed experts over ``expert_rows`` rows
     (gate_up H -> 2F, down F -> H) and the shared experts over its own ``num_tokens``."""
@@ -244,7 +289,7 @@ def run_row(worker, kind: str, *, group: str = "main", backend: str | None = Non
     """One benchmark row on this rank, run as ``EPCluster.run(run_row, kind, ...)``
     (collective: every rank at once).
 
-    kind: ``comm`` (dispatch and combine), ``layer`` (whole MoE layer; loads seeded experts
+    kind: ``comm`` (dispatch and combine), ``comm_graphs`` (the same, replayed from CUDA graphs), ``layer`` (whole MoE layer; loads seeded experts
     if the group has none), ``all_to_all`` (raw NCCL, equal splits), ``peer_copy`` (copy
     engine, rank 0 -> rank 1), ``soak`` (many correctness rounds in a row, no timing).
     """
@@ -252,6 +297,8 @@ def run_row(worker, kind: str, *, group: str = "main", backend: str | None = Non
     rank, device = worker.rank, worker.device
     if kind == "comm":
         return bench_comm(worker.transport(backend, group), g.cfg, rank, device, **kwargs).to_dict()
+    if kind == "comm_graphs":
+        return bench_comm_graphs(worker.transport(backend, group), g.cfg, rank, device, **kwargs).to_dict()
     if kind == "layer":
         if g.scratch is None or 0 not in g.experts:
             worker.load_experts(seed=0, group=group, draw_on_device=True)  # timing only: no reference
@@ -263,4 +310,5 @@ def run_row(worker, kind: str, *, group: str = "main", backend: str | None = Non
         return bench_alltoall(worker.transport("torch", group), g.cfg, rank, device, **kwargs).to_dict()
     if kind == "peer_copy":
         return bench_peer_copy(worker.transport("nvshmem", group), rank, device, **kwargs).to_dict()
-    raise EPInputError(f"unknown benchmark kind {kind!r}: use comm, layer, soak, all_to_all or peer_copy")
+    raise EPInputError(f"unknown benchmark kind {kind!r}: use comm, comm_graphs, layer, soak, all_to_all or "
+                       f"peer_copy")

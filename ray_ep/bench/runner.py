@@ -381,7 +381,7 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
               tokens: Sequence[int] | None = None, routing: Sequence[str] = ("uniform",), iters: int = 50,
               warmup: int = 5, num_sms: int | Sequence[int | None] | None = None, fused: bool = True,
               layer: bool = False, baselines: bool = True, progress: bool = True, seed: int = 0,
-              dtypes: Sequence[str] | None = None) -> BenchResult:
+              dtypes: Sequence[str] | None = None, cuda_graph: bool = False) -> BenchResult:
     """Benchmark ``presets`` (names of BENCH_PRESETS) on a started cluster.
 
     backends: ``nvshmem`` (ray_ep's kernels) and/or ``torch`` (the NCCL / gloo pipeline);
@@ -390,7 +390,8 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
     kernels, or a list of budgets (a sweep; None = all SMs). ``layer`` adds whole-MoE-layer rows (loads
     seeded experts). ``baselines`` adds raw all_to_all and the peer copy (GPUs only).
     ``progress``: a progress line on stderr. dtypes: the dispatch dtypes of every preset's rows
-    (bf16, fp8, nvfp4; default: each preset's own list).
+    (bf16, fp8, nvfp4; default: each preset's own list). ``cuda_graph``: ray_ep's dispatch and
+    combine also replayed from CUDA graphs (rows labelled ``ray_ep-graph``; GPUs only).
     """
     for p in presets:
         if p not in BENCH_PRESETS:
@@ -399,6 +400,8 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
         if dt not in DISPATCH_DTYPES:
             raise ValueError(f"unknown dispatch dtype {dt!r}; choose from {list(DISPATCH_DTYPES)}")
     on_gpu = cluster.backend == "nvshmem"
+    if cuda_graph and not on_gpu:
+        raise ValueError("cuda_graph needs GPU workers with the nvshmem backend (CUDA graphs replay its kernels)")
     if backends is None:
         backends = ["nvshmem", "torch"] if on_gpu else ["torch"]
     backends = ["torch" if b in ("nccl", "gloo") else b for b in backends]
@@ -419,12 +422,13 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
                         # the torch pipeline has no SM budget: it runs once, not per budget
                         for sms in (budgets if b == "nvshmem" else [None]):
                             plan.append((p, dt, b, rt, T, sms))
-    bar = _Progress(len(plan) * (2 if layer else 1) + (len(presets) + 1 if baselines and on_gpu else 0), progress)
+    per_case = 1 + int(layer) + int(cuda_graph)
+    bar = _Progress(len(plan) * per_case + (len(presets) + 1 if baselines and on_gpu else 0), progress)
     try:
         for p in presets:
             _run_preset(cluster, result, bar, p, [c for c in plan if c[0] == p], tokens=tokens, iters=iters,
                         warmup=warmup, fused=fused, layer=layer, baselines=baselines and on_gpu, seed=seed,
-                        device_sms=result.meta.get("sms"), gpu_workers=gpu_workers)
+                        device_sms=result.meta.get("sms"), gpu_workers=gpu_workers, cuda_graph=cuda_graph)
         if baselines and on_gpu and base.gpus_per_node >= 2:  # a pair on one node
             bar.start("copy-engine peer copy, one GPU pair")
             per_rank = cluster.run(run_row, "peer_copy", nbytes=256 * 2**20, iters=iters, warmup=warmup)
@@ -443,7 +447,7 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
 
 def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str, plan: list[tuple], *,
                 tokens, iters: int, warmup: int, fused: bool, layer: bool, baselines: bool, seed: int,
-                device_sms, gpu_workers: bool) -> None:
+                device_sms, gpu_workers: bool, cuda_graph: bool = False) -> None:
     """The rows of one preset: per dispatch dtype and SM budget a worker group of its own,
     dropped afterwards."""
     spec = BENCH_PRESETS[p]
@@ -474,6 +478,14 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
                 result.rows.append(aggregate(per_rank, "dispatch", cfg, row_bytes(cfg, "dispatch"), **labels))
                 result.rows.append(aggregate(per_rank, "combine", cfg, row_bytes(cfg, "combine"), **labels))
                 bar.done()
+                if cuda_graph and b == "nvshmem":
+                    bar.start(f"{case}: dispatch + combine from CUDA graphs")
+                    per_rank = cluster.run(run_row, "comm_graphs", group=name, backend=b, num_tokens=T, routing=rt,
+                                           seed=seed, iters=iters, warmup=warmup, fused=fused)
+                    graph_labels = {**labels, "backend": "ray_ep-graph"}
+                    result.rows.append(aggregate(per_rank, "dispatch", cfg, row_bytes(cfg, "dispatch"), **graph_labels))
+                    result.rows.append(aggregate(per_rank, "combine", cfg, row_bytes(cfg, "combine"), **graph_labels))
+                    bar.done()
                 if layer:
                     bar.start(f"{case}: MoE layer")
                     per_rank = cluster.run(run_row, "layer", group=name, backend=b, num_tokens=T,
@@ -524,6 +536,8 @@ def add_arguments(parser) -> None:
                              "'all' = no budget)")
     parser.add_argument("--split", action="store_true", help="time the split send/recv forms instead of fused")
     parser.add_argument("--layer", action="store_true", help="also time whole MoE layers (experts included)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="also time dispatch and combine replayed from CUDA graphs (GPUs; rows 'ray_ep-graph')")
     parser.add_argument("--no-baselines", action="store_true", help="skip raw all_to_all and the peer copy")
     parser.add_argument("--json", help="write every figure to this JSON file")
     parser.add_argument("--plot", help="write a figure of time and remote bandwidth per operation to this PNG "
@@ -593,6 +607,10 @@ def run_from_args(args) -> int:
             print(f"ray-ep bench: cannot write {path}: no folder {folder}", file=sys.stderr)
             return 2
     gpus = torch.cuda.device_count()
+    if args.cuda_graph and (not gpus or (args.backend or "") == "torch"):
+        print("ray-ep bench: --cuda-graph replays ray_ep's kernels from CUDA graphs: it needs GPUs and the nvshmem "
+              "backend", file=sys.stderr)
+        return 2
     default_world = gpus if gpus else 2
     n_nodes, per_node = topology_from_args(args, default_world)
     presets = args.preset or (["deepseek-v3-prefill"] if gpus else ["tiny"])
@@ -625,7 +643,8 @@ def run_from_args(args) -> int:
             res = run_bench(ep, presets=presets, backends=backends, tokens=tokens,
                                      routing=args.routing.split(","), iters=args.iters, warmup=args.warmup,
                                      num_sms=args.num_sms, fused=not args.split, layer=args.layer,
-                                     baselines=not args.no_baselines, progress=progress, dtypes=dtypes)
+                                     baselines=not args.no_baselines, progress=progress, dtypes=dtypes,
+                                     cuda_graph=args.cuda_graph)
     except KeyboardInterrupt:
         _mute_ray_ep_logs()
         ep.shutdown(kill=True)  # idempotent: whatever a Ctrl-C inside start() or shutdown() left
