@@ -215,3 +215,41 @@ def test_cuda_graph_replays(cluster, dtype, fused):
         assert worst <= SOAK_TOL, f"rel error {worst:.3e}"
     finally:
         cluster.call_workers("drop_group", name)
+
+
+def _graph_silent_peer(worker, silent_rank: int, group: str):
+    """Every rank captures a dispatch in a CUDA graph; all but ``silent_rank`` replay it: the
+    replay must end in a timeout error naming that rank, not hang."""
+    from ray_ep.inputs import rank_inputs
+
+    g = worker.group_state(group)
+    t = worker.transport("nvshmem", group)
+    x, ids, w = rank_inputs(g.cfg, 16, worker.rank, 0, "uniform", device=worker.device)
+    t.dispatch(x, ids, w)  # eager once (collective): compiles before the capture
+    graph = torch.cuda.CUDAGraph()
+    with t.deferred_checks():
+        with torch.cuda.graph(graph):
+            t.dispatch(x, ids, w)
+    if worker.rank == silent_rank:
+        return "silent"
+    graph.replay()
+    try:
+        t.check_status()
+    except EPTimeoutError as e:
+        return str(e)
+    return "no error"
+
+
+def test_cuda_graph_replay_with_a_silent_peer_times_out(cluster):
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    if cluster.config.n_nodes > 1:
+        pytest.skip("graph capture is checked on one node (NVLink stores)")
+    name = "test/graph-silent"
+    cluster.call_workers("add_group", name, _group_cfg(cluster, "tiny", "bf16", recv_timeout_s=3.0))
+    try:
+        out = cluster.run(_graph_silent_peer, 1, name)
+        for r, msg in enumerate(out):
+            if r != 1:
+                assert "timed out" in msg and "1" in msg, msg
+    finally:
+        cluster.call_workers("drop_group", name)
