@@ -24,7 +24,10 @@ FP8_GROUP = 128  # channels per fp32 scale in fp8 dispatch
 FP8_MAX = 448.0  # largest finite float8_e4m3fn: the amax of each group maps onto it
 ALIGN_BYTES = 128  # every sub-buffer starts on this boundary (16 B vector access, cache lines)
 
-DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp32": 4, "int32": 4, "int64": 8}
+DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp32": 4, "fp64": 8, "int32": 4, "int64": 8}
+# wire dtypes that only the torch backend moves (the GPU kernels move bf16 / fp8 rows and
+# bf16 / fp32 partials): full-precision training on CPU and float64 gradient checks
+TORCH_ONLY_DTYPES = {"dispatch_dtype": ("fp32", "fp64"), "combine_dtype": ("fp64",)}
 
 
 def parse_topology(text: str) -> tuple[int, int]:
@@ -69,10 +72,12 @@ class EPConfig(BaseModel):
     """Nodes (hosts) of the group."""
     gpus_per_node: int = Field(default=1, gt=0)
     """Ranks per node: GPUs per node, or CPU workers per node on the torch backend."""
-    dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
-    """Row format on the wire for dispatch: bf16, or fp8 e4m3 with one fp32 scale per 128 channels."""
-    combine_dtype: Literal["bf16", "fp32"] = "bf16"
-    """Row format of expert outputs on the wire for combine (fp32 for exactness checks)."""
+    dispatch_dtype: Literal["bf16", "fp8", "fp32", "fp64"] = "bf16"
+    """Row format on the wire for dispatch: bf16, or fp8 e4m3 with one fp32 scale per 128 channels;
+    fp32 / fp64 (backend 'torch' only) move rows at full precision (CPU training, gradcheck)."""
+    combine_dtype: Literal["bf16", "fp32", "fp64"] = "bf16"
+    """Row format of expert outputs on the wire for combine (fp32 for exactness checks; fp64,
+    backend 'torch' only, for float64 gradient checks)."""
     expert_alignment: int = Field(default=1, gt=0)
     """Rows of each local expert's segment are padded to a multiple of this."""
     backend: Literal["auto", "nvshmem", "torch"] = "auto"
@@ -150,6 +155,11 @@ class EPConfig(BaseModel):
                 f"{FP8_GROUP} channels), got hidden_size = {self.hidden_size}; use bf16 or pad H"
             )
         for field, dtype in (("dispatch_dtype", self.dispatch_dtype), ("combine_dtype", self.combine_dtype)):
+            if dtype in TORCH_ONLY_DTYPES[field] and self.backend != "torch":
+                raise ValueError(
+                    f"{field} '{dtype}' is moved by the torch backend only (the GPU kernels move "
+                    f"bf16 / fp8 rows), got backend '{self.backend}'; set backend='torch' or use bf16"
+                )
             row_bytes = self.hidden_size * DTYPE_BYTES[dtype]
             if row_bytes % 16 != 0:
                 raise ValueError(
