@@ -108,6 +108,9 @@ def check_summaries(summaries: list[dict], cfg: EPConfig, rank: int) -> None:
     """Raise EPConfigError unless the ranks' summaries (config, backend, host, device; one per
     rank of the group, in rank order) describe one consistent group for ``cfg``."""
     R = len(summaries)
+    for r, s in enumerate(summaries):
+        if s.get("problem"):
+            raise EPConfigError(f"rank {rank}: rank {r} cannot take part: {s['problem']}")
     if R != cfg.world_size:
         raise EPConfigError(f"rank {rank}: the process group has {R} ranks but the config's world size is "
                             f"n_nodes x gpus_per_node = {cfg.n_nodes} x {cfg.gpus_per_node} = {cfg.world_size}; "
@@ -166,14 +169,17 @@ class EPCommunicator:
             raise EPConfigError(f"rank {self.rank}: this process already has an EPCommunicator on {key}; close() "
                                 f"it first, or use its sibling(config) for another config on the same ranks")
         self.config = config
-        self.backend = _resolve_backend(config, self.device)
+        try:
+            self.backend, problem = _resolve_backend(config, self.device), None
+        except EPConfigError as e:  # told to every rank through the config check, so none waits
+            self.backend, problem = "none", str(e)
         self._parent: EPCommunicator | None = None
         self._children: list[EPCommunicator] = []
         self._transports: dict[str, Transport] = {}
         self._scratch: ExpertScratch | None = None
         self._last_send: str | None = None
         self._owns_nvshmem = False
-        self._agree()
+        self._agree(problem)
         _live[key] = self
         try:
             if self.backend == "nvshmem":
@@ -191,11 +197,11 @@ class EPCommunicator:
         backend = str(dist.get_backend(self._group))
         return torch.device("cpu") if "gloo" in backend or self.device.type != "cuda" else self.device
 
-    def _agree(self) -> None:
+    def _agree(self, problem: str | None = None) -> None:
         """Gather every rank's summary and check them (collective; see check_summaries)."""
         cfg = self.config
         summary = {"config": cfg.model_dump(mode="json"), "backend": self.backend, "host": socket.gethostname(),
-                   "device": _physical_device(self.device), "pid": os.getpid()}
+                   "device": _physical_device(self.device), "pid": os.getpid(), "problem": problem}
         raw = json.dumps(summary, sort_keys=True).encode()
         if len(raw) > SUMMARY_BYTES - 4:
             raise EPConfigError(f"rank {self.rank}: the config summary is {len(raw)} bytes, more than "

@@ -324,7 +324,7 @@ def combine_sum_torch(*, rows_MH: torch.Tensor, row_base_R: torch.Tensor, token_
     for d in range(R):
         slots = token_slots_TR[:, d].long()
         ok = slots >= 0
-        acc[ok] += rows_MH[row_base_R[d].long() + slots[ok]].float()
+        acc[ok] += rows_MH[row_base_R[d].long() + slots[ok]].to(acc.dtype)
     if add_TH is not None:
         acc += add_TH.to(acc.dtype)
     return acc.to(out_dtype)
