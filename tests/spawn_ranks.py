@@ -38,6 +38,9 @@ def _main(fn, rank: int, world_size: int, port: int, backend: str, args: tuple, 
 
     torch.set_num_threads(1)  # R processes share a few cores
     if backend == "nccl":
+        # NVLink multicast off in NCCL and NVSHMEM (docs/design.md), before either starts
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120),

@@ -20,20 +20,22 @@ def _layers_vs_reference(rank: int, cfg: EPConfig, routings: list[str]) -> dict:
     """Every routing: a fused and a split layer on this rank against the world's reference."""
     w = init_expert_weights(cfg, seed=0)
     loc = w.local(rank, cfg.experts_per_rank)
-    experts = LocalExperts(loc.w_gate_up, loc.w_down, loc.shared_gate_up, loc.shared_down)
     errors = {}
-    with EPCommunicator(cfg) as comm:
+    with EPCommunicator(cfg) as comm:  # CPU here; each rank's GPU in tests/test_gpu_communicator.py
+        errors["backend"] = comm.backend
+        experts = LocalExperts(*(t.to(comm.device) for t in (loc.w_gate_up, loc.w_down, loc.shared_gate_up,
+                                                              loc.shared_down)))
         for i, routing in enumerate(routings):
             xs, ids, ws = make_inputs(cfg, 12, seed=i, routing=routing)
             ref = reference.moe_forward(cfg, xs, ids, ws, w)[rank].float()
-            fused = comm.moe(xs[rank], ids[rank], ws[rank], experts).float()
+            fused = comm.moe(xs[rank], ids[rank], ws[rank], experts).float().cpu()
             x, i_, w_ = comm.prepare_inputs(xs[rank], ids[rank], ws[rank])
             h = comm.dispatch_recv(comm.dispatch_send(x, i_, w_))
-            rows = comm.expert_major(h, dtype=x.dtype)
+            rows = comm.expert_major(h, dtype=x.dtype).cpu()
             want = reference.dispatch_world(cfg, xs, ids)[rank]
             assert torch.equal(rows, want.x), "expert-major rows differ from the reference's"
             y = comm.run_experts(h, experts)
-            split = comm.combine_recv(comm.combine_send(y, h), add_TH=shared_experts(x, experts)).float()
+            split = comm.combine_recv(comm.combine_send(y, h), add_TH=shared_experts(x, experts)).float().cpu()
             scale = max(ref.abs().max().item(), 1e-6)
             errors[routing] = max((fused - ref).abs().max().item(), (split - ref).abs().max().item()) / scale
         errors["plan_bytes"] = comm.plan.total_bytes
@@ -45,7 +47,7 @@ def test_layer_matches_reference(world):
     cfg = EPConfig(**TINY, gpus_per_node=world, n_shared_experts=1)
     out = run_ranks(_layers_vs_reference, world, cfg, ["uniform", "skewed", "one-expert"])
     for rank, errs in enumerate(out):
-        assert errs.pop("plan_bytes") > 0
+        assert errs.pop("plan_bytes") > 0 and errs.pop("backend") == "torch"
         for routing, rel in errs.items():
             assert rel <= BF16_TOL, (rank, routing, rel)
 

@@ -73,3 +73,14 @@ def test_torchrun_example_without_ray():
     losses = [float(line.split()[-1]) for line in lines if line.startswith("step ") and "loss" in line]
     assert len(losses) == 3
     assert "tokens/s" in lines[-1]
+
+
+def test_readme_shows_the_own_model_example_as_it_is():
+    """The README's "Use it in your own model" block is examples/own_model.py (which the README
+    test runs under torchrun), so the two cannot drift apart."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    section = readme[readme.index("## Use it in your own model"):]
+    shown = section[section.index("```python\n") + len("```python\n"):section.index("\n```", section.index("```python"))]
+    code = (EXAMPLES / "own_model.py").read_text()
+    assert code.rstrip("\n").endswith(shown), "README block and examples/own_model.py differ"
+    assert shown.startswith("import torch")
