@@ -44,12 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     with EPCommunicator(ep_config(s, R), device=device) as comm:
         history = train(comm, s)
     if rank == 0:
-        print(f"torchrun_moe: {R} ranks, backend {comm.backend}, {s.global_batch} x {s.seq_len - 1} tokens per step")
+        print(f"torchrun_moe: {R} ranks, backend {comm.backend}, "
+              f"{s.global_batch} x {s.seq_len - 1} tokens per step")
         for step, loss in enumerate(history["losses"], 1):
             print(f"step {step:>5}  loss {loss:.4f}")
         m = summary(s, history)
-        print(f"step {m['step_s'] * 1e3:.1f} ms (forward {m['forward_s'] * 1e3:.1f}, backward {m['backward_s'] * 1e3:.1f}, "
-              f"grad sync + optimizer {m['optimizer_s'] * 1e3:.1f}; median), {m['tokens_per_s']:.0f} tokens/s")
+        print(f"step {m['step_s'] * 1e3:.1f} ms (forward {m['forward_s'] * 1e3:.1f}, "
+              f"backward {m['backward_s'] * 1e3:.1f}, grad sync + optimizer {m['optimizer_s'] * 1e3:.1f}; median), {m['tokens_per_s']:.0f} tokens/s")
     dist.destroy_process_group()
     return 0
 

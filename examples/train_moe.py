@@ -189,7 +189,8 @@ def run(s: Settings, workers: int, storage: str, name: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2, help="ranks (one GPU each with --gpu)")
     p.add_argument("--steps", type=int, default=Settings.steps)
     p.add_argument("--gpu", action="store_true", help="GPU workers, nvshmem backend")

@@ -8,8 +8,8 @@ runs CPU workers over torch.distributed (gloo).
 from .communicator import EPCommunicator
 from .config import BufferPlan, EPConfig, PRESETS, plan_buffers
 from .driver import CheckReport, EPCluster
-from .errors import (EPClusterError, EPConfigError, EPError, EPInputError, EPOverflowError, EPStateError, EPTimeoutError,
-                     EPWorkerError)
+from .errors import (EPClusterError, EPConfigError, EPError, EPInputError, EPOverflowError, EPStateError,
+                     EPTimeoutError, EPWorkerError)
 from .inputs import make_inputs
 from .routing import route
 from .weights import ExpertWeights, init_expert_weights
@@ -28,8 +28,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "BufferPlan", "CheckReport", "EPCluster", "EPClusterError", "EPCommunicator", "EPConfig", "EPConfigError", "EPError", "EPInputError",
-    "EPOverflowError", "EPStateError", "EPTimeoutError", "EPWorkerError", "ExpertWeights", "PRESETS",
+    "BufferPlan", "CheckReport", "EPCluster", "EPClusterError", "EPCommunicator", "EPConfig", "EPConfigError",
+    "EPError", "EPInputError", "EPOverflowError", "EPStateError", "EPTimeoutError", "EPWorkerError", "ExpertWeights",
+    "PRESETS",
     "init_expert_weights", "make_inputs", "plan_buffers", "route", "__version__",
     "bench", "serving", "reference", "nn",
 ]

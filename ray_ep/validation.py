@@ -100,7 +100,8 @@ def validate_moe_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Te
     fp64 = (torch.float64,) if cfg.dispatch_dtype == "fp64" else ()  # fp64 rows: gradient checks
     if x_TH.dtype not in X_DTYPES + fp64:
         raise EPInputError(f"{who}x must be bf16, fp16 or fp32{' or fp64' if fp64 else ''}, got {x_TH.dtype}")
-    for name, t, dtypes in (("topk_ids", topk_ids_TK, ID_DTYPES), ("topk_weights", topk_weights_TK, WEIGHT_DTYPES + fp64)):
+    for name, t, dtypes in (("topk_ids", topk_ids_TK, ID_DTYPES),
+                            ("topk_weights", topk_weights_TK, WEIGHT_DTYPES + fp64)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (T, cfg.top_k):
             raise EPInputError(f"{who}{name} must be [T={T}, top_k={cfg.top_k}], got {_shape(t)}")
         if t.dtype not in dtypes:
@@ -158,5 +159,6 @@ def check_send_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tens
     check_token_count(cfg, T)
     check_tensor("topk_ids_TK", topk_ids_TK, shape=(T, cfg.top_k), dtypes=(torch.int32,), device=device,
                  inner_contiguous=True)
-    check_tensor("topk_weights_TK", topk_weights_TK, shape=(T, cfg.top_k), dtypes=(ROUTER_WEIGHT_DTYPE[cfg.dispatch_dtype],),
+    check_tensor("topk_weights_TK", topk_weights_TK, shape=(T, cfg.top_k),
+                 dtypes=(ROUTER_WEIGHT_DTYPE[cfg.dispatch_dtype],),
                  device=device, inner_contiguous=True)

@@ -37,7 +37,8 @@ def test_nvshmem_layer_matches_reference(world):
 
 
 def _two_layers_vs_reference(rank: int, cfg: EPConfig, tokens: int) -> dict:
-    R, L, H, Fi, E, K = cfg.world_size, cfg.experts_per_rank, cfg.hidden_size, cfg.intermediate_size, cfg.n_experts, cfg.top_k
+    R, L, H, K = cfg.world_size, cfg.experts_per_rank, cfg.hidden_size, cfg.top_k
+    Fi, E = cfg.intermediate_size, cfg.n_experts
     g = torch.Generator().manual_seed(0)
     counts = [tokens] * R
     x = torch.randn(R * tokens, H, generator=g)

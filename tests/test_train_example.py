@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from spawn_ranks import run_ranks
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -80,7 +78,8 @@ def test_readme_shows_the_own_model_example_as_it_is():
     test runs under torchrun), so the two cannot drift apart."""
     readme = (EXAMPLES.parent / "README.md").read_text()
     section = readme[readme.index("## Use it in your own model"):]
-    shown = section[section.index("```python\n") + len("```python\n"):section.index("\n```", section.index("```python"))]
+    start = section.index("```python\n") + len("```python\n")
+    shown = section[start:section.index("\n```", start)]
     code = (EXAMPLES / "own_model.py").read_text()
     assert code.rstrip("\n").endswith(shown), "README block and examples/own_model.py differ"
     assert shown.startswith("import torch")

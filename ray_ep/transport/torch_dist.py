@@ -10,7 +10,6 @@ Rows travel as raw bytes (gloo has no bf16/fp8 reductions to offer and needs non
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 
 import torch
@@ -64,21 +63,10 @@ class TorchTransport(Transport):
 
     name = "torch"
 
-    def __init__(self, cfg: EPConfig, rank: int, device: torch.device, init_method: str | None = None,
-                 group: dist.ProcessGroup | None = None):
-        """Runs over ``group`` (default: the process's WORLD group). Without a group, joins the
-        default process group through ``init_method`` (collective) unless this process already
-        has one (further transports for other configs share it)."""
+    def __init__(self, cfg: EPConfig, rank: int, device: torch.device, group: dist.ProcessGroup | None = None):
+        """Runs over ``group`` (default: the process's WORLD group), which its owner (the
+        :class:`~ray_ep.communicator.EPCommunicator`'s caller) created and destroys."""
         super().__init__(cfg, rank, device)
-        self._owns_group = group is None and not dist.is_initialized()
-        if self._owns_group:
-            if init_method is None:
-                raise ValueError("the first TorchTransport of a process needs an init_method (tcp://host:port)")
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
-                                    world_size=cfg.world_size,
-                                    timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
-                                    **({"device_id": device} if device.type == "cuda" else {}))
         self.group = group if group is not None else dist.group.WORLD
         # Triton layout kernel on GPUs (fast), its torch twin on CPUs (no interpreter cost)
         self._layout = compute_layout if device.type == "cuda" else compute_layout_torch
@@ -142,8 +130,8 @@ class TorchTransport(Transport):
         in_splits = handle.recv.recv_counts_R.tolist()
         row_base = _exclusive_cumsum(in_splits, self.device)
         parts = combine_partials_torch(cfg=cfg, rank=self.rank, y_MH=y_MH, src_offsets_RL=handle.recv.src_offsets_RL,
-                                     counts_R=handle.recv.recv_counts_R, meta_rows=handle.meta_rows, row_base_R=row_base,
-                                     weights_rows=handle.weights_rows)
+                                     counts_R=handle.recv.recv_counts_R, meta_rows=handle.meta_rows,
+                                     row_base_R=row_base, weights_rows=handle.weights_rows)
         wire = WIRE_DTYPES[cfg.combine_dtype]
         send = torch.cat(parts).to(wire) if parts else torch.empty(0, cfg.hidden_size, dtype=wire, device=self.device)
         out_splits = handle.layout.rank_counts_R.tolist()
@@ -170,8 +158,3 @@ class TorchTransport(Transport):
         if not hasattr(self, "_one"):
             self._one = torch.ones(1, device=self.device)
         dist.all_reduce(self._one, group=self.group)
-
-    def shutdown(self) -> None:
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-        self._owns_group = False
