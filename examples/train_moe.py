@@ -60,11 +60,13 @@ class Settings:
 
 
 def ep_config(s: Settings, world_size: int) -> EPConfig:
-    """The EP config of a run on ``world_size`` ranks (one node)."""
+    """The EP config of a run on ``world_size`` ranks (one node): buffers for a rank's share of
+    the batch."""
     wire = {} if s.gpu else dict(dispatch_dtype="fp32", combine_dtype="fp32", backend="torch")
     return EPConfig(hidden_size=s.hidden_size, n_experts=s.n_experts, top_k=s.top_k,
                     intermediate_size=s.intermediate_size, n_shared_experts=s.n_shared_experts,
-                    max_tokens_per_rank=s.global_batch * (s.seq_len - 1), gpus_per_node=world_size, **wire)
+                    max_tokens_per_rank=s.global_batch // world_size * (s.seq_len - 1), gpus_per_node=world_size,
+                    **wire)
 
 
 def batch(s: Settings, step: int, rank: int, world_size: int, device: torch.device) -> torch.Tensor:

@@ -19,7 +19,8 @@ group, waiting at most ``init_timeout_s``, and each rank then raises the same
 the ranks' configs differ (naming the fields and both values: a different
 ``max_tokens_per_rank`` is a known cause of hangs elsewhere), two ranks share a GPU, or ranks
 of one configured node sit on different hosts. A rank that never arrives is an
-:class:`~ray_ep.errors.EPTimeoutError`. A second communicator on a device that already has one
+:class:`~ray_ep.errors.EPTimeoutError`, one that crashes meanwhile an
+:class:`~ray_ep.errors.EPWorkerError`. A second communicator on a device that already has one
 in this process is refused at once (use :meth:`EPCommunicator.sibling` for another config
 on the same ranks).
 
@@ -33,18 +34,18 @@ NCCL baseline (``backend="torch"`` in the calls below).
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .config import BufferPlan, EPConfig, plan_buffers
-from .errors import EPConfigError, EPStateError, EPTimeoutError
+from .errors import EPConfigError, EPStateError, EPTimeoutError, EPWorkerError
 from .kernels.experts import ExpertScratch, LocalExperts, run_experts, shared_experts
 from .transport.base import Transport
 from .transport.torch_dist import TorchTransport
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 
 SUMMARY_BYTES = 4096  # room for one rank's summary (a config as JSON is about 500 bytes)
 UID_BYTES = 1024  # room for the NVSHMEM unique id (128 bytes in NVSHMEM 3.x)
+SETUP_POLL_S = 0.001  # how often a set-up collective is checked: creation is rare, a peer's answer quick
 # the dtype a dispatch sends, by dispatch dtype (fp8 quantises fp32 / bf16 / fp16 inside the send)
 _SEND_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 _OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
@@ -92,11 +94,19 @@ def _physical_device(device: torch.device) -> str:
 
 
 def _wait(work: Any, timeout_s: float, what: str, rank: int) -> None:
+    """Wait for a set-up collective on the host, at most ``timeout_s``. Polled: an NCCL wait
+    only orders the stream, and a collective a peer never joins would block the next host
+    sync until the process group's own (longer) timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise EPTimeoutError(f"rank {rank}: {what} did not complete within init_timeout_s = {timeout_s:g} s: "
+                                 f"a rank of the process group did not create its EPCommunicator")
+        time.sleep(SETUP_POLL_S)
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:  # gloo and NCCL report a timed-out wait as RuntimeError
-        raise EPTimeoutError(f"rank {rank}: {what} did not complete within init_timeout_s = {timeout_s:g} s: "
-                             f"a rank of the process group did not create its EPCommunicator ({e})") from e
+        work.wait()  # orders the stream after the collective; raises what it failed with
+    except RuntimeError as e:  # gloo and NCCL: a peer crashed or left the group
+        raise EPWorkerError(f"rank {rank}: {what} failed: a rank of the process group crashed or left ({e})") from e
 
 
 def _config_differences(mine: dict, theirs: dict) -> list[str]:

@@ -3,10 +3,13 @@ the exchange against the reference, the split forms, and the errors at creation.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from ray_ep import EPCommunicator, EPConfig, EPConfigError, EPTimeoutError, init_expert_weights, make_inputs, reference
+from ray_ep import (EPCommunicator, EPConfig, EPConfigError, EPTimeoutError, EPWorkerError, init_expert_weights,
+                    make_inputs, reference)
 from ray_ep.communicator import check_summaries
 from ray_ep.kernels.experts import LocalExperts, shared_experts
 from spawn_ranks import RankError, run_ranks
@@ -106,20 +109,30 @@ def test_second_communicator_on_a_device_is_refused():
         assert "already has an EPCommunicator on cpu" in msg and "sibling" in msg
 
 
-def _one_rank_stays_away(rank: int, cfg: EPConfig) -> str:
+def _one_rank_stays_away(rank: int, cfg: EPConfig, leave: bool) -> str:
+    """Rank 1 never creates its communicator: it stays alive past rank 0's init_timeout_s, or
+    (``leave``) exits at once."""
     if rank == 1:
+        if not leave:
+            time.sleep(cfg.init_timeout_s + 2)
         return "away"
     try:
         EPCommunicator(cfg)
-    except EPTimeoutError as e:
-        return str(e)
+    except (EPTimeoutError, EPWorkerError) as e:
+        return f"{type(e).__name__}: {e}"
     return "no error"
 
 
 def test_a_rank_that_never_comes_is_a_timeout():
     cfg = EPConfig(**TINY, gpus_per_node=2, init_timeout_s=2.0)
-    msg = run_ranks(_one_rank_stays_away, 2, cfg)[0]
-    assert "did not complete within init_timeout_s = 2 s" in msg, msg
+    msg = run_ranks(_one_rank_stays_away, 2, cfg, False)[0]
+    assert msg.startswith("EPTimeoutError") and "did not complete within init_timeout_s = 2 s" in msg, msg
+
+
+def test_a_rank_that_leaves_is_a_worker_error():
+    cfg = EPConfig(**TINY, gpus_per_node=2, init_timeout_s=60.0)
+    msg = run_ranks(_one_rank_stays_away, 2, cfg, True)[0]
+    assert msg.startswith("EPWorkerError") and "crashed or left" in msg, msg
 
 
 def test_summaries_name_shared_gpus_and_split_nodes():
