@@ -5,10 +5,11 @@ symmetric buffers; :class:`EPCluster` drives them. On a machine without GPUs the
 runs CPU workers over torch.distributed (gloo).
 """
 
+from .communicator import EPCommunicator
 from .config import BufferPlan, EPConfig, PRESETS, plan_buffers
 from .driver import CheckReport, EPCluster
-from .errors import (EPClusterError, EPError, EPInputError, EPOverflowError, EPStateError, EPTimeoutError,
-                     EPWorkerError)
+from .errors import (EPClusterError, EPConfigError, EPError, EPInputError, EPOverflowError, EPStateError,
+                     EPTimeoutError, EPWorkerError)
 from .inputs import make_inputs
 from .routing import route
 from .weights import ExpertWeights, init_expert_weights
@@ -16,7 +17,7 @@ from .weights import ExpertWeights, init_expert_weights
 __version__ = "0.1.0"
 
 # submodules the examples use, imported on first touch (nothing heavy at `import ray_ep`)
-_LAZY_MODULES = ("bench", "serving", "reference")
+_LAZY_MODULES = ("bench", "serving", "reference", "nn")
 
 
 def __getattr__(name: str):
@@ -27,8 +28,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "BufferPlan", "CheckReport", "EPCluster", "EPClusterError", "EPConfig", "EPError", "EPInputError",
-    "EPOverflowError", "EPStateError", "EPTimeoutError", "EPWorkerError", "ExpertWeights", "PRESETS",
+    "BufferPlan", "CheckReport", "EPCluster", "EPClusterError", "EPCommunicator", "EPConfig", "EPConfigError",
+    "EPError", "EPInputError", "EPOverflowError", "EPStateError", "EPTimeoutError", "EPWorkerError", "ExpertWeights",
+    "PRESETS",
     "init_expert_weights", "make_inputs", "plan_buffers", "route", "__version__",
-    "bench", "serving", "reference",
+    "bench", "serving", "reference", "nn",
 ]

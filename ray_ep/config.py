@@ -30,7 +30,10 @@ E2M1_MAX = 6.0  # largest e2m1 (fp4) magnitude: each block's amax maps onto it
 NVFP4_GLOBAL_SCALE = 1.0
 ALIGN_BYTES = 128  # every sub-buffer starts on this boundary (16 B vector access, cache lines)
 
-DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp32": 4, "int32": 4, "int64": 8, "u8": 1}
+DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp32": 4, "fp64": 8, "int32": 4, "int64": 8, "u8": 1}
+# wire dtypes that only the torch backend moves (the GPU kernels move bf16 / fp8 / nvfp4 rows
+# and bf16 / fp32 partials): full-precision training on CPU and float64 gradient checks
+TORCH_ONLY_DTYPES = {"dispatch_dtype": ("fp32", "fp64"), "combine_dtype": ("fp64",)}
 
 
 def nvfp4_row_bytes(H: int) -> int:
@@ -85,12 +88,14 @@ class EPConfig(BaseModel):
     """Nodes (hosts) of the group."""
     gpus_per_node: int = Field(default=1, gt=0)
     """Ranks per node: GPUs per node, or CPU workers per node on the torch backend."""
-    dispatch_dtype: Literal["bf16", "fp8", "nvfp4"] = "bf16"
+    dispatch_dtype: Literal["bf16", "fp8", "nvfp4", "fp32", "fp64"] = "bf16"
     """Row format on the wire for dispatch: bf16; fp8 e4m3 with one fp32 scale per 128 channels;
-    or nvfp4: e2m1 values packed two per byte with one e4m3 scale per 16 channels (and a fixed
-    per-tensor scale of 1), see :mod:`ray_ep.nvfp4`."""
-    combine_dtype: Literal["bf16", "fp32"] = "bf16"
-    """Row format of expert outputs on the wire for combine (fp32 for exactness checks)."""
+    nvfp4: e2m1 values packed two per byte with one e4m3 scale per 16 channels (and a fixed
+    per-tensor scale of 1), see :mod:`ray_ep.nvfp4`; fp32 / fp64 (backend 'torch' only) move
+    rows at full precision (CPU training, gradcheck)."""
+    combine_dtype: Literal["bf16", "fp32", "fp64"] = "bf16"
+    """Row format of expert outputs on the wire for combine (fp32 for exactness checks; fp64,
+    backend 'torch' only, for float64 gradient checks)."""
     expert_alignment: int = Field(default=1, gt=0)
     """Rows of each local expert's segment are padded to a multiple of this."""
     backend: Literal["auto", "nvshmem", "torch"] = "auto"
@@ -173,6 +178,11 @@ class EPConfig(BaseModel):
                 f"{NVFP4_BLOCK} channels), got hidden_size = {self.hidden_size}; use bf16 or pad H"
             )
         for field, dtype in (("dispatch_dtype", self.dispatch_dtype), ("combine_dtype", self.combine_dtype)):
+            if dtype in TORCH_ONLY_DTYPES[field] and self.backend != "torch":
+                raise ValueError(
+                    f"{field} '{dtype}' is moved by the torch backend only (the GPU kernels move "
+                    f"bf16 / fp8 / nvfp4 rows), got backend '{self.backend}'; set backend='torch' or use bf16"
+                )
             # nvfp4: the packed values (half a byte per channel) start each wire row
             row_bytes = self.hidden_size // 2 if dtype == "nvfp4" else self.hidden_size * DTYPE_BYTES[dtype]
             multiple = 32 if dtype == "nvfp4" else 16 // DTYPE_BYTES[dtype]

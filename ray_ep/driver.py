@@ -164,10 +164,8 @@ class EPCluster:
             self._group.start()
             self.require_memory(cfg, what="the symmetric buffers", symmetric=True)
             addr, port = self._group.execute_single(0, "rendezvous_address")
-            self._group.execute("init_torch", cfg, addr, port, call_timeout_s=cfg.init_timeout_s)
-            if backend == "nvshmem":
-                uid = self._group.execute_single(0, "make_nvshmem_uid")
-                self._group.execute("init_nvshmem", uid, call_timeout_s=cfg.init_timeout_s)
+            # the workers' communicators resolve backend 'auto' from their devices as the driver did
+            self._group.execute("start_communicator", cfg, addr, port, call_timeout_s=cfg.init_timeout_s)
         except BaseException:
             self._teardown()
             raise

@@ -19,6 +19,11 @@ class EPStateError(EPError, RuntimeError):
     """A phase was called at the wrong time (before start, after shutdown, out of order)."""
 
 
+class EPConfigError(EPError, ValueError):
+    """The config does not fit the process group (world size, devices, backend) or differs
+    between its ranks."""
+
+
 class EPClusterError(EPError, RuntimeError):
     """The Ray cluster cannot host the requested topology (nodes, GPUs or CPU slots)."""
 

@@ -3,7 +3,8 @@
 Legend: T tokens on a rank, K top-k, E experts, R ranks, L = E / R local experts,
 H hidden size, F expert intermediate size, M expert-major rows received by a rank.
 
-Everything here favours obviousness over speed: loops over ranks and experts, fp32 math.
+Everything here favours obviousness over speed: loops over ranks and experts, fp32 math
+(float64 inputs keep float64: the gradient checks of :mod:`ray_ep.nn` differentiate it).
 Backends and kernels are checked against these functions; the library itself never calls
 them (only ``check``, whose job is comparing with this oracle). Its fp8 and nvfp4 roundings
 are written here again on purpose, apart from :mod:`ray_ep.fp8` and :mod:`ray_ep.nvfp4`, so
@@ -102,14 +103,20 @@ def dequantize_nvfp4(q_TP: torch.Tensor, scales_TB: torch.Tensor,
 
 
 # ---- experts -------------------------------------------------------------------------------
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32, or the inputs' own when wider (float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def swiglu_expert(x_MH: torch.Tensor, w_gate_up_HF2: torch.Tensor, w_down_FH: torch.Tensor) -> torch.Tensor:
     """One SwiGLU expert with the roundings of the kernels: bf16 operands, fp32 accumulation,
     bf16 between the stages. Returns [M, H] in the weights' dtype."""
     dt = w_down_FH.dtype
-    h = (x_MH.float() @ w_gate_up_HF2.float()).to(dt).float()
+    acc = _acc(dt)
+    h = (x_MH.to(acc) @ w_gate_up_HF2.to(acc)).to(dt).to(acc)
     Fi = w_down_FH.shape[0]
     a = (F.silu(h[:, :Fi]) * h[:, Fi:]).to(dt)
-    return (a.float() @ w_down_FH.float()).to(dt)
+    return (a.to(acc) @ w_down_FH.to(acc)).to(dt)
 
 
 # ---- dispatch / combine over a world -------------------------------------------------------
@@ -131,10 +138,10 @@ class RankDispatch:
     src_info: torch.Tensor
 
     def dequantized(self) -> torch.Tensor:
-        """Rows as fp32 (dequantised for fp8 and nvfp4)."""
+        """Rows as fp32 (dequantised for fp8 and nvfp4; float64 rows stay float64)."""
         if self.x.dtype == torch.uint8:
             return dequantize_nvfp4(self.x, self.scales)
-        return dequantize_fp8(self.x, self.scales) if self.scales is not None else self.x.float()
+        return dequantize_fp8(self.x, self.scales) if self.scales is not None else self.x.to(_acc(self.x.dtype))
 
 
 def _check_world(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.Tensor]) -> None:
@@ -210,19 +217,21 @@ def combine_world(cfg: EPConfig, ys: list[torch.Tensor], dispatched: list[RankDi
     """Return every expert output row to its source token: ``out[t] = sum_k w[t, k] * y[t, k]``
     in fp32, cast to ``out_dtype``. ``ys[r]`` [M_r, H] are rank r's expert outputs in its
     expert-major order; ``num_tokens[r]`` is T_r."""
-    acc = [torch.zeros(n, cfg.hidden_size, dtype=torch.float32) for n in num_tokens]
+    dt = _acc(ys[0].dtype) if ys else torch.float32
+    acc = [torch.zeros(n, cfg.hidden_size, dtype=dt) for n in num_tokens]
     for y, d in zip(ys, dispatched):
         for m, (src, t, k) in enumerate(d.src_info.tolist()):
             if src >= 0:
-                acc[src][t] += topk_weights[src][t, k].float() * y[m].float()
+                acc[src][t] += topk_weights[src][t, k].to(dt) * y[m].to(dt)
     return [a.to(out_dtype) for a in acc]
 
 
 def shared_experts(x_TH: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
-    """Sum of the shared experts over a rank's own tokens, fp32."""
-    out = torch.zeros(x_TH.shape, dtype=torch.float32)
+    """Sum of the shared experts over a rank's own tokens, fp32 (float64 for float64 weights)."""
+    dt = _acc(weights.shared_down.dtype)
+    out = torch.zeros(x_TH.shape, dtype=dt)
     for s in range(weights.shared_down.shape[0]):
-        out += swiglu_expert(x_TH, weights.shared_gate_up[s], weights.shared_down[s]).float()
+        out = out + swiglu_expert(x_TH, weights.shared_gate_up[s], weights.shared_down[s]).to(dt)
     return out
 
 
@@ -231,5 +240,6 @@ def moe_forward(cfg: EPConfig, xs: list[torch.Tensor], topk_ids: list[torch.Tens
     """A whole MoE layer on every rank: dispatch, routed experts, combine, plus shared experts."""
     d = dispatch_world(cfg, xs, topk_ids)
     ys = experts_world(cfg, d, weights)
-    outs = combine_world(cfg, ys, d, topk_weights, [x.shape[0] for x in xs], out_dtype=torch.float32)
+    acc = _acc(weights.w_down.dtype)
+    outs = combine_world(cfg, ys, d, topk_weights, [x.shape[0] for x in xs], out_dtype=acc)
     return [(o + shared_experts(x, weights)).to(x.dtype) for o, x in zip(outs, xs)]

@@ -11,7 +11,7 @@ Every backend (Triton kernels, their torch twins, the torch.distributed pipeline
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -72,7 +72,9 @@ class DispatchHandle:
     for nvfp4 ``x_rows`` [rows, H/2] uint8 packed codes and ``scales_rows`` [rows, H/16]
     float8_e4m3fn (on the nvshmem backend both are strided views of the wire rows),
     ``meta_rows`` [rows, 3K] int32 (expert ids, ordinals, weight bits). Expert-major row m is
-    ``x_rows[recv.row_ids_M[m]]``.
+    ``x_rows[recv.row_ids_M[m]]``. ``weights_rows`` [rows, K] holds the router weights in the
+    row dtype where fp32 bits in the meta rows would lose precision (fp64 rows, torch
+    backend); None elsewhere.
     """
 
     layout: DispatchLayout
@@ -81,9 +83,17 @@ class DispatchHandle:
     scales_rows: torch.Tensor | None
     meta_rows: torch.Tensor
     num_tokens: int
+    weights_rows: torch.Tensor | None = None
 
-    def expert_major_rows(self, num_rows: int | None = None) -> torch.Tensor:
-        """The first ``num_rows`` (default: all M_cap) expert-major rows as fp32 [num_rows, H],
+    def router_weights(self, top_k: int) -> torch.Tensor:
+        """The router weights of every receive row, [rows, K] (fp32, or the row dtype where
+        ``weights_rows`` carries them)."""
+        if self.weights_rows is not None:
+            return self.weights_rows
+        return self.meta_rows[:, 2 * top_k:].contiguous().view(torch.float32)
+
+    def expert_major_rows(self, num_rows: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The first ``num_rows`` (default: all M_cap) expert-major rows as ``dtype`` [num_rows, H],
         dequantised for fp8 and nvfp4; padding and unused rows are 0. No host sync."""
         ids = self.recv.row_ids_M if num_rows is None else self.recv.row_ids_M[:num_rows]
         ids = ids.long()
@@ -93,4 +103,17 @@ class DispatchHandle:
             rows = dequantize_nvfp4_torch(rows, self.scales_rows[safe], out_dtype=torch.float32)
         elif self.scales_rows is not None:
             rows = dequantize_fp8_torch(rows, self.scales_rows[safe], out_dtype=torch.float32)
-        return torch.where((ids >= 0)[:, None], rows.float(), 0.0)
+        return torch.where((ids >= 0)[:, None], rows.to(dtype), 0)
+
+    def kept(self) -> "DispatchHandle":
+        """A copy of the layouts and meta rows that later dispatches cannot overwrite (the
+        nvshmem backend reuses its receive description and buffers every round), without the
+        received rows. Backward passes keep this between forward and backward."""
+        def clone(t):
+            return t.clone() if isinstance(t, torch.Tensor) else t
+
+        layout = DispatchLayout(*(clone(getattr(self.layout, f.name)) for f in fields(DispatchLayout)))
+        recv = RecvLayout(*(clone(getattr(self.recv, f.name)) for f in fields(RecvLayout)))
+        empty = self.x_rows.new_empty(0, self.x_rows.shape[1])
+        return replace(self, layout=layout, recv=recv, x_rows=empty, scales_rows=None,
+                       meta_rows=self.meta_rows.clone(), weights_rows=clone(self.weights_rows))

@@ -25,6 +25,11 @@ from .errors import EPInputError
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ID_DTYPES = (torch.int32, torch.int64)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# what a dispatch send takes, by dispatch dtype: the rows' own format, or any of X_DTYPES for
+# fp8 (quantised inside the send)
+SEND_DTYPES = {"bf16": (torch.bfloat16,), "fp8": X_DTYPES, "fp32": (torch.float32,), "fp64": (torch.float64,)}
+# router weights travel in fp32 (meta rows), in fp64 beside fp64 rows
+ROUTER_WEIGHT_DTYPE = {"bf16": torch.float32, "fp8": torch.float32, "fp32": torch.float32, "fp64": torch.float64}
 
 
 def _shape(t: object) -> object:
@@ -92,9 +97,11 @@ def validate_moe_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Te
         raise EPInputError(f"{who}x must be [T, hidden_size={cfg.hidden_size}], got {_shape(x_TH)}")
     T = x_TH.shape[0]
     check_token_count(cfg, T, who)
-    if x_TH.dtype not in X_DTYPES:
-        raise EPInputError(f"{who}x must be bf16, fp16 or fp32, got {x_TH.dtype}")
-    for name, t, dtypes in (("topk_ids", topk_ids_TK, ID_DTYPES), ("topk_weights", topk_weights_TK, WEIGHT_DTYPES)):
+    fp64 = (torch.float64,) if cfg.dispatch_dtype == "fp64" else ()  # fp64 rows: gradient checks
+    if x_TH.dtype not in X_DTYPES + fp64:
+        raise EPInputError(f"{who}x must be bf16, fp16 or fp32{' or fp64' if fp64 else ''}, got {x_TH.dtype}")
+    for name, t, dtypes in (("topk_ids", topk_ids_TK, ID_DTYPES),
+                            ("topk_weights", topk_weights_TK, WEIGHT_DTYPES + fp64)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (T, cfg.top_k):
             raise EPInputError(f"{who}{name} must be [T={T}, top_k={cfg.top_k}], got {_shape(t)}")
         if t.dtype not in dtypes:
@@ -141,9 +148,10 @@ def check_send_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tens
                       topk_weights_TK: torch.Tensor, device: torch.device) -> None:
     """Raise EPInputError unless the tensors are what a dispatch send of ``cfg`` takes on
     ``device`` (metadata only, no sync): x_TH [T, H] bf16 (fp8 dispatch also takes fp16/fp32:
-    it quantises inside the send), topk_ids_TK [T, K] int32, topk_weights_TK [T, K] fp32,
-    each with a contiguous last dimension."""
-    want = (torch.bfloat16,) if cfg.dispatch_dtype == "bf16" else X_DTYPES
+    it quantises inside the send; fp32 / fp64 dispatch takes that dtype), topk_ids_TK [T, K]
+    int32, topk_weights_TK [T, K] fp32 (fp64 with fp64 dispatch), each with a contiguous last
+    dimension."""
+    want = SEND_DTYPES[cfg.dispatch_dtype]
     check_tensor("x_TH", x_TH, dims=2, dtypes=want, device=device, inner_contiguous=True)
     T = x_TH.shape[0]
     if x_TH.shape[1] != cfg.hidden_size:
@@ -151,5 +159,6 @@ def check_send_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tens
     check_token_count(cfg, T)
     check_tensor("topk_ids_TK", topk_ids_TK, shape=(T, cfg.top_k), dtypes=(torch.int32,), device=device,
                  inner_contiguous=True)
-    check_tensor("topk_weights_TK", topk_weights_TK, shape=(T, cfg.top_k), dtypes=(torch.float32,),
+    check_tensor("topk_weights_TK", topk_weights_TK, shape=(T, cfg.top_k),
+                 dtypes=(ROUTER_WEIGHT_DTYPE[cfg.dispatch_dtype],),
                  device=device, inner_contiguous=True)

@@ -122,7 +122,7 @@ def _silent_peer(worker, silent_rank: int, group: str):
     g = worker.groups[group]
     x, ids, w = rank_inputs(g.cfg, 16, worker.rank, 0, "uniform", device=worker.device)
     try:
-        g.transports["nvshmem"].dispatch(x, ids, w)
+        g.comm.transport("nvshmem").dispatch(x, ids, w)
     except EPTimeoutError as e:
         return str(e)
     return "no error"

@@ -1,12 +1,11 @@
 """EPWorker: one rank of the expert-parallel group, living in a Ray actor.
 
-It owns its device, its transports and its experts. The driver calls it phase by phase
-(``dispatch`` -> ``compute`` -> ``combine``) or for whole layers (``forward``); per-layer
-tensors stay on the worker's device between phases.
-
-Every rank always joins a torch.distributed group (gloo on CPU, NCCL on GPU): it is the
-``torch`` backend, the NCCL baseline of the benchmarks, and a host barrier. With the
-``nvshmem`` backend the worker also bootstraps NVSHMEM and runs the Triton kernels.
+A thin actor around :class:`~ray_ep.communicator.EPCommunicator`: it joins the
+torch.distributed group (gloo on CPU, NCCL on GPU), creates the rank's communicator (which
+bootstraps NVSHMEM through that group on the ``nvshmem`` backend) and keeps what the driver's
+calls need between them: the experts of each layer and the tensors of a layer in flight. The
+driver calls it phase by phase (``dispatch`` -> ``compute`` -> ``combine``) or for whole
+layers (``forward``); per-layer tensors stay on the worker's device between phases.
 """
 
 from __future__ import annotations
@@ -16,25 +15,28 @@ import logging
 import os
 import socket
 import time
+import datetime
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 
 from .. import reference
+from ..communicator import EPCommunicator
 from ..config import EPConfig
 from ..errors import EPInputError, EPStateError
 from ..inputs import make_inputs
-from ..kernels.experts import ExpertScratch, LocalExperts, run_experts, shared_experts
+from ..kernels.experts import LocalExperts, shared_experts
 from ..transport.base import Transport
 from ..transport.nvshmem import NO_MULTICAST_ENV
 from ..types import DispatchHandle
-from ..validation import validate_moe_inputs
 from ..weights import init_expert_weights
 from .group import WorkerContext
 
 log = logging.getLogger(__name__)
 
 CHECK_LAYER = -1  # the expert-layer slot that check() loads its seeded experts into
+OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 
@@ -130,8 +132,6 @@ class EPWorker:
             # several workers share a CPU: one thread each avoids oversubscription
             torch.set_num_threads(max(1, int(os.environ.get("RAY_EP_CPU_THREADS", "1"))))
         self.groups: dict[str, EPGroupState] = {}  # "main" plus any extra configs (benchmarks)
-        self.backend: str | None = None
-        self._nvshmem = False
         self.state: dict = {}  # user state of code run through :meth:`run` (model weights, caches)
         self.stats = PhaseStats(self.device)
         self._handle: DispatchHandle | None = None
@@ -145,16 +145,19 @@ class EPWorker:
     def config(self) -> EPConfig:
         return self._cfg()
 
+    @property
+    def comm(self) -> EPCommunicator:
+        """The main group's communicator."""
+        return self.group_state().comm
+
+    @property
+    def backend(self) -> str | None:
+        return self.groups["main"].comm.backend if "main" in self.groups else None
+
     # ---- set-up ------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
         """An address and free port on this node for the torch.distributed rendezvous."""
         return self.ctx.node_ip, free_port()
-
-    def make_nvshmem_uid(self) -> bytes:
-        """NVSHMEM unique id (rank 0); this process hosts the bootstrap root."""
-        from ..transport.nvshmem import make_unique_id
-
-        return make_unique_id()
 
     def device_info(self) -> dict:
         info = {"rank": self.rank, "device": str(self.device), "node_id": self.ctx.node_id,
@@ -176,45 +179,29 @@ class EPWorker:
         device = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         return {"rank": self.rank, "node_id": self.ctx.node_id, "device": device, "host": host_available_bytes()}
 
-    def init_torch(self, cfg: EPConfig, master_addr: str, master_port: int) -> None:
-        """Join the torch.distributed group (collective: every rank at once)."""
-        from ..transport.torch_dist import TorchTransport
-
+    def start_communicator(self, cfg: EPConfig, master_addr: str, master_port: int) -> str:
+        """Join the torch.distributed group and create the rank's communicator (collective:
+        every rank at once; NVSHMEM bootstraps through the group). Returns the backend."""
         self.ctx = replace(self.ctx, master_addr=master_addr, master_port=master_port)
-        main = EPGroupState(cfg)
-        main.transports["torch"] = TorchTransport(cfg, self.rank, self.device, f"tcp://{master_addr}:{master_port}")
-        self.groups["main"] = main
-        self.backend = "torch"
-
-    def init_nvshmem(self, unique_id: bytes) -> None:
-        """Bootstrap NVSHMEM and allocate the main group's symmetric buffers (collective)."""
-        from ..transport import nvshmem
-
-        if self.device.type != "cuda":
-            raise EPStateError(f"rank {self.rank}: the nvshmem backend needs a GPU; use backend='torch'")
-        cfg = self._cfg()
-        nvshmem.runtime_init(self.rank, cfg.world_size, self.device, unique_id, n_nodes=cfg.n_nodes)
-        self._nvshmem = True
-        self.groups["main"].transports["nvshmem"] = nvshmem.NvshmemTransport(cfg, self.rank, self.device)
-        self.backend = "nvshmem"
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo",
+                                    init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                    world_size=cfg.world_size,
+                                    timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
+                                    **({"device_id": self.device} if self.device.type == "cuda" else {}))
+        self.groups["main"] = EPGroupState(EPCommunicator(cfg, device=self.device))
+        return self.backend
 
     def add_group(self, name: str, cfg: EPConfig) -> None:
-        """Transports for another config on the same ranks (collective: same order everywhere).
-        Benchmarks use this to run several presets and dtypes without restarting."""
-        from ..transport.torch_dist import TorchTransport
-
-        main = self._cfg()
-        if cfg.world_size != main.world_size or cfg.n_nodes != main.n_nodes:
-            raise EPInputError(f"group {name!r} must keep the topology {main.n_nodes}x{main.gpus_per_node}")
+        """A communicator for another config on the same ranks (collective: same order
+        everywhere). Benchmarks use this to run several presets and dtypes without restarting."""
         if name in self.groups:
             raise EPStateError(f"group {name!r} exists already")
-        g = EPGroupState(cfg)
-        g.transports["torch"] = TorchTransport(cfg, self.rank, self.device)
-        if self._nvshmem:
-            from ..transport.nvshmem import NvshmemTransport
-
-            g.transports["nvshmem"] = NvshmemTransport(cfg, self.rank, self.device)
-        self.groups[name] = g
+        main = self.comm
+        if cfg.world_size != main.config.world_size or cfg.n_nodes != main.config.n_nodes:
+            raise EPInputError(f"group {name!r} must keep the topology {main.config.n_nodes}x"
+                               f"{main.config.gpus_per_node}")
+        self.groups[name] = EPGroupState(main.sibling(cfg))
 
     def drop_group(self, name: str) -> None:
         """Free an extra group's buffers (collective)."""
@@ -222,7 +209,7 @@ class EPWorker:
             raise EPInputError("the main group lives until shutdown")
         g = self.groups.pop(name, None)
         if g is not None:
-            g.close()
+            g.comm.close()
 
     def load_experts(self, seed: int | None = 0, weights: dict[str, torch.Tensor] | None = None,
                      layer: int = 0, group: str = "main", draw_on_device: bool = False) -> int:
@@ -239,8 +226,7 @@ class EPWorker:
             experts = LocalExperts(**{k: v.to(self.device, torch.bfloat16) for k, v in weights.items()})
         experts.check(cfg)
         g.experts[layer] = experts
-        if g.scratch is None:
-            g.scratch = ExpertScratch.allocate(cfg, self.device)
+        g.comm.scratch  # noqa: B018 - allocated now, beside the weights, not in the first forward
         return sum(t.numel() * t.element_size() for t in vars(experts).values())
 
     def _local_expert_ids(self, cfg: EPConfig) -> range:
@@ -248,7 +234,7 @@ class EPWorker:
         return range(self.rank * L, (self.rank + 1) * L)
 
     def group_state(self, name: str = "main") -> "EPGroupState":
-        """The transports, experts and scratch of a config on this rank ("main", or a name
+        """The communicator and experts of a config on this rank ("main", or a name
         given to :meth:`add_group`)."""
         if name not in self.groups:
             if name == "main":
@@ -262,49 +248,31 @@ class EPWorker:
     def transport(self, backend: str | None = None, group: str = "main") -> Transport:
         """This rank's end of ``backend`` (default: the cluster's) for ``group``: the object whose
         dispatch / combine code run through :meth:`run` (benchmarks, custom loops) calls."""
-        g = self.group_state(group)
-        name = backend or self.backend
-        if name not in g.transports:
-            raise EPStateError(f"rank {self.rank}: backend {name!r} is not initialised here "
-                               f"(have {sorted(g.transports)})")
-        return g.transports[name]
-
-    def _inputs(self, x_TH, topk_ids_TK, topk_weights_TK, validate: bool = True, group: str = "main"):
-        cfg = self.group_state(group).cfg
-        if validate:
-            validate_moe_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, self.rank)
-        x = x_TH.to(self.device)
-        if cfg.dispatch_dtype == "bf16":
-            x = x.to(torch.bfloat16)
-        return (x.contiguous(), topk_ids_TK.to(self.device, torch.int32).contiguous(),
-                topk_weights_TK.to(self.device, torch.float32).contiguous())
+        return self.group_state(group).comm.transport(backend)
 
     # ---- phases (debugging and jobs) -----------------------------------------------------------
     def dispatch(self, x_TH, topk_ids_TK, topk_weights_TK, fused: bool = True, backend: str | None = None,
                  validate: bool = True) -> DispatchSummary:
         """Dispatch this rank's tokens; keeps the handle for :meth:`compute` and :meth:`combine`.
         ``validate=False``: the caller (the driver) has checked the inputs already."""
-        t = self.transport(backend)
-        x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate)
+        x, ids, w = self.comm.prepare_inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate)
         self._x, self._y = x, None
-        self._handle = t.dispatch(x, ids, w, fused=fused)
+        self._handle = self.comm.dispatch(x, ids, w, fused=fused, validate=False, backend=backend)
         r = self._handle.recv
         return DispatchSummary(self.rank, r.num_tokens_L.tolist(), r.recv_counts_R.tolist())
 
     def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK, backend: str | None = None,
                       validate: bool = True) -> None:
         """Split form, first half: returns once the sends are queued."""
-        t = self.transport(backend)
-        x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate)
+        x, ids, w = self.comm.prepare_inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate)
         self._x, self._y, self._handle = x, None, None
-        self._pending = (t, t.dispatch_send(x, ids, w))
+        self._pending = self.comm.dispatch_send(x, ids, w, validate=False, backend=backend)
 
     def dispatch_recv(self) -> DispatchSummary:
         if self._pending is None:
             raise EPStateError(f"rank {self.rank}: dispatch_recv without dispatch_send")
-        t, pending = self._pending
-        self._pending = None
-        self._handle = t.dispatch_recv(pending)
+        pending, self._pending = self._pending, None
+        self._handle = self.comm.dispatch_recv(pending)
         r = self._handle.recv
         return DispatchSummary(self.rank, r.num_tokens_L.tolist(), r.recv_counts_R.tolist())
 
@@ -330,7 +298,7 @@ class EPWorker:
         """Run this rank's experts (of MoE layer ``layer``) over the last dispatch."""
         h = self._need_handle("compute")
         self._layer = layer
-        self._y = run_experts(handle=h, experts=self._experts_of(layer), scratch=self.group_state().scratch)
+        self._y = self.comm.run_experts(h, self._experts_of(layer))
 
     def combine(self, fused: bool = True, backend: str | None = None, out_dtype: str = "bf16") -> torch.Tensor:
         """Return expert outputs to their tokens; out [T, H] on CPU (shared experts included)."""
@@ -341,10 +309,8 @@ class EPWorker:
         h = self._need_handle("combine")
         if self._y is None:
             raise EPStateError(f"rank {self.rank}: combine needs compute() after dispatch")
-        t = self.transport(backend)
         add = shared_experts(self._x, self._experts_of(self._layer))
-        dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[out_dtype]
-        out = t.combine(self._y, h, dt, add, fused=fused)
+        out = self.comm.combine(self._y, h, out_dtype=OUT_DTYPES[out_dtype], add_TH=add, fused=fused, backend=backend)
         self._handle, self._y = None, None
         return out
 
@@ -360,20 +326,18 @@ class EPWorker:
         """One MoE layer (dispatch, experts of ``layer``, combine, shared experts), output on this
         rank's device. Collective: every rank calls it (with 0 tokens if it has none), in the
         same order."""
-        t = self.transport(backend, group)
-        g = self.group_state(group)
+        comm = self.group_state(group).comm
         experts = self._experts_of(layer, group)
-        x, ids, w = self._inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate, group=group)
+        x, ids, w = comm.prepare_inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate)
         self._handle = self._y = None  # the phase-by-phase state does not survive a whole layer
         with self.stats.phase("dispatch"):
-            h = t.dispatch(x, ids, w, fused=fused)
+            h = comm.dispatch(x, ids, w, fused=fused, validate=False, backend=backend)
         self.stats.count_tokens(h.recv.num_tokens_L, x.shape[0])
         with self.stats.phase("experts"):
-            y = run_experts(handle=h, experts=experts, scratch=g.scratch)
+            y = comm.run_experts(h, experts)
             add = shared_experts(x, experts)
-        dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[out_dtype]
         with self.stats.phase("combine"):
-            return t.combine(y, h, dt, add, fused=fused)
+            return comm.combine(y, h, out_dtype=OUT_DTYPES[out_dtype], add_TH=add, fused=fused, backend=backend)
 
     def check(self, *, group: str = "main", backend: str | None = None, num_tokens, seed: int = 0,
               routing: str = "uniform", rounds: int = 1, fused: bool = True, expert_seed: int = 0) -> dict:
@@ -428,31 +392,23 @@ class EPWorker:
         return time.time()
 
     def shutdown(self) -> None:
-        """Free symmetric memory and leave the process groups (collective for nvshmem)."""
+        """Free symmetric memory and leave the process group (collective for nvshmem)."""
         self._handle = self._y = self._x = self._pending = None
-        for name in [n for n in self.groups if n != "main"] + ["main"]:  # same order on every rank
-            g = self.groups.pop(name, None)
-            if g is not None:
-                g.close()
-        if self._nvshmem:
-            from ..transport import nvshmem
-
-            nvshmem.runtime_finalize()
-            self._nvshmem = False
+        main = self.groups.pop("main", None)
+        self.groups.clear()
+        if main is not None:
+            main.comm.close()  # its siblings (the extra groups) first
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @dataclass
 class EPGroupState:
-    """One config's transports, experts (per layer) and expert scratch on this rank."""
+    """One config's communicator and its experts (per layer) on this rank."""
 
-    cfg: EPConfig
-    transports: dict[str, Transport] = field(default_factory=dict)
+    comm: EPCommunicator
     experts: dict[int, LocalExperts] = field(default_factory=dict)
-    scratch: ExpertScratch | None = None
 
-    def close(self) -> None:
-        # nvshmem first (collective free), the process group last
-        for name in ("nvshmem", "torch"):
-            t = self.transports.pop(name, None)
-            if t is not None:
-                t.shutdown()
+    @property
+    def cfg(self) -> EPConfig:
+        return self.comm.config

@@ -300,10 +300,10 @@ def run_row(worker, kind: str, *, group: str = "main", backend: str | None = Non
     if kind == "comm_graphs":
         return bench_comm_graphs(worker.transport(backend, group), g.cfg, rank, device, **kwargs).to_dict()
     if kind == "layer":
-        if g.scratch is None or 0 not in g.experts:
+        if 0 not in g.experts:
             worker.load_experts(seed=0, group=group, draw_on_device=True)  # timing only: no reference
         return bench_layer(worker.transport(backend, group), g.cfg, rank, device, experts=g.experts[0],
-                           scratch=g.scratch, **kwargs).to_dict()
+                           scratch=g.comm.scratch, **kwargs).to_dict()
     if kind == "soak":
         return soak(worker.transport(backend, group), g.cfg, rank, device, **kwargs)
     if kind == "all_to_all":

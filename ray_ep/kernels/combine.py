@@ -293,36 +293,40 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
 
 # ---- torch implementations (the twins) -------------------------------------------------------
 def combine_partials_torch(*, cfg: EPConfig, rank: int, y_MH: torch.Tensor, src_offsets_RL: torch.Tensor,
-                         counts_R: torch.Tensor, meta_rows: torch.Tensor, row_base_R: torch.Tensor) -> list[torch.Tensor]:
+                         counts_R: torch.Tensor, meta_rows: torch.Tensor, row_base_R: torch.Tensor,
+                         weights_rows: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Per source s, the fp32 partial rows [counts[s], H] that go back to it: for received row
-    i, the sum over its local experts of weight * expert output."""
+    i, the sum over its local experts of weight * expert output. ``weights_rows`` [rows, K]
+    fp64 replaces the weights of the meta rows (fp64 rows: the sums then run in fp64)."""
     K, L = cfg.top_k, cfg.experts_per_rank
+    acc = torch.promote_types(y_MH.dtype, torch.float32)
     out = []
     for s in range(cfg.world_size):
         n = int(counts_R[s])
         j = row_base_R[s].long() + torch.arange(n, device=y_MH.device)
         meta = meta_rows[j]
         ids, ords = meta[:, :K].long(), meta[:, K:2 * K].long()
-        w = meta[:, 2 * K:].contiguous().view(torch.float32)
+        w = meta[:, 2 * K:].contiguous().view(torch.float32) if weights_rows is None else weights_rows[j]
         e = ids - rank * L
         here = (ids >= 0) & (e >= 0) & (e < L)
         pos = torch.where(here, src_offsets_RL[s].long()[e.clamp(0, L - 1)] + ords, 0)
-        contrib = y_MH[pos].float() * torch.where(here, w, 0.0)[..., None]
+        contrib = y_MH[pos].to(acc) * torch.where(here, w.to(acc), 0.0)[..., None]
         out.append(contrib.sum(dim=1))
     return out
 
 
 def combine_sum_torch(*, rows_MH: torch.Tensor, row_base_R: torch.Tensor, token_slots_TR: torch.Tensor,
                     out_dtype: torch.dtype, add_TH: torch.Tensor | None = None) -> torch.Tensor:
-    """out[t] = sum_d rows[row_base[d] + slot[t, d]] (+ add[t]) in fp32."""
+    """out[t] = sum_d rows[row_base[d] + slot[t, d]] (+ add[t]) in fp32 (fp64 for fp64 rows)."""
     T, R = token_slots_TR.shape
-    acc = torch.zeros(T, rows_MH.shape[1], dtype=torch.float32, device=rows_MH.device)
+    acc = torch.zeros(T, rows_MH.shape[1], dtype=torch.promote_types(rows_MH.dtype, torch.float32),
+                      device=rows_MH.device)
     for d in range(R):
         slots = token_slots_TR[:, d].long()
         ok = slots >= 0
-        acc[ok] += rows_MH[row_base_R[d].long() + slots[ok]].float()
+        acc[ok] += rows_MH[row_base_R[d].long() + slots[ok]].to(acc.dtype)
     if add_TH is not None:
-        acc += add_TH.float()
+        acc += add_TH.to(acc.dtype)
     return acc.to(out_dtype)
 
 

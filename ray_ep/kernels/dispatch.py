@@ -540,12 +540,12 @@ def dispatch_recv(*, cfg: EPConfig, layout: DispatchLayout, bufs: SymmetricBuffe
 
 def dispatch_fused(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                    bufs: SymmetricBuffers, ws: Workspace, out: RecvLayout | None = None, num_sms: int | None = None,
-                   check: bool = True) -> DispatchHandle:
+                   check: bool = True, layout: DispatchLayout | None = None) -> DispatchHandle:
     """Send and receive in one launch (GPU; every rank must launch it at once). Arguments as
     :func:`dispatch_send` and :func:`dispatch_recv`."""
     check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, bufs.device)
     budget = num_sms or cfg.num_sms
-    layout, how, bases = _layout_for_send(cfg, topk_ids_TK, None, budget)
+    layout, how, bases = _layout_for_send(cfg, topk_ids_TK, layout, budget)
     recv = out if out is not None else RecvLayout.allocate(cfg, bufs.device)
     send_args, send_meta, warps = _send_named(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, bufs, ws,
                                               budget)

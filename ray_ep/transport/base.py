@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from ..config import EPConfig
-from ..types import DispatchHandle
+from ..types import DispatchHandle, DispatchLayout
 
 
 class Transport(abc.ABC):
@@ -51,24 +51,27 @@ class Transport(abc.ABC):
         """Raise the error a deferred receive flagged (transports that fail on the host: no-op)."""
 
     @abc.abstractmethod
-    def dispatch_send(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> Any:
-        """Start sending this rank's tokens; returns what :meth:`dispatch_recv` needs."""
+    def dispatch_send(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                      layout: DispatchLayout | None = None) -> Any:
+        """Start sending this rank's tokens; returns what :meth:`dispatch_recv` needs.
+        ``layout``: the send-side layout of an earlier dispatch of the same ``topk_ids_TK``
+        (a backward pass sends gradient rows where the forward sent tokens: no layout pass)."""
 
     @abc.abstractmethod
     def dispatch_recv(self, pending: Any) -> DispatchHandle:
         """Wait for every source and return the expert-major receive description."""
 
-    def dispatch_fused(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
-                       topk_weights_TK: torch.Tensor) -> DispatchHandle:
+    def dispatch_fused(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                       layout: DispatchLayout | None = None) -> DispatchHandle:
         """Send and receive in one step (backends without a fused kernel run the two halves)."""
-        return self.dispatch_recv(self.dispatch_send(x_TH, topk_ids_TK, topk_weights_TK))
+        return self.dispatch_recv(self.dispatch_send(x_TH, topk_ids_TK, topk_weights_TK, layout))
 
     def dispatch(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                 fused: bool = True) -> DispatchHandle:
+                 fused: bool = True, layout: DispatchLayout | None = None) -> DispatchHandle:
         """A whole dispatch: the fused form, or ``send`` then ``recv`` with ``fused=False``."""
         if fused:
-            return self.dispatch_fused(x_TH, topk_ids_TK, topk_weights_TK)
-        return self.dispatch_recv(self.dispatch_send(x_TH, topk_ids_TK, topk_weights_TK))
+            return self.dispatch_fused(x_TH, topk_ids_TK, topk_weights_TK, layout)
+        return self.dispatch_recv(self.dispatch_send(x_TH, topk_ids_TK, topk_weights_TK, layout))
 
     @abc.abstractmethod
     def combine_send(self, y_MH: torch.Tensor, handle: DispatchHandle) -> Any:

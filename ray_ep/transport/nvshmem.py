@@ -186,9 +186,9 @@ class NvshmemTransport(Transport):
             self.cfg = cfg
 
     # split forms ----------------------------------------------------------------------------
-    def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK):
+    def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK, layout=None):
         layout = dispatch_k.dispatch_send(cfg=self.cfg, x_TH=x_TH, topk_ids_TK=topk_ids_TK,
-                                          topk_weights_TK=topk_weights_TK, bufs=self.bufs, ws=self.ws)
+                                          topk_weights_TK=topk_weights_TK, bufs=self.bufs, ws=self.ws, layout=layout)
         return layout, x_TH.shape[0]
 
     def dispatch_recv(self, pending) -> DispatchHandle:
@@ -196,9 +196,10 @@ class NvshmemTransport(Transport):
         return dispatch_k.dispatch_recv(cfg=self.cfg, layout=layout, bufs=self.bufs, ws=self.ws, num_tokens=T,
                                         out=self._recv_out, check=self.check)
 
-    def dispatch_fused(self, x_TH, topk_ids_TK, topk_weights_TK) -> DispatchHandle:
+    def dispatch_fused(self, x_TH, topk_ids_TK, topk_weights_TK, layout=None) -> DispatchHandle:
         return dispatch_k.dispatch_fused(cfg=self.cfg, x_TH=x_TH, topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK,
-                                   bufs=self.bufs, ws=self.ws, out=self._recv_out, check=self.check)
+                                   bufs=self.bufs, ws=self.ws, out=self._recv_out, check=self.check,
+                                   layout=layout)
 
     def combine_send(self, y_MH, handle):
         combine_k.combine_send(cfg=self.cfg, y_MH=y_MH, handle=handle, bufs=self.bufs, ws=self.ws)

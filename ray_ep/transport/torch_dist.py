@@ -10,7 +10,6 @@ Rows travel as raw bytes (gloo has no bf16/fp8 reductions to offer and needs non
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +39,7 @@ class _PendingDispatch:
     meta: torch.Tensor
     works: list
     num_tokens: int
+    weights: torch.Tensor | None
 
 
 @dataclass
@@ -47,6 +47,9 @@ class _PendingCombine:
     handle: DispatchHandle
     rows: torch.Tensor
     work: object
+
+
+WIRE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}  # combine rows
 
 
 def _exclusive_cumsum(splits: list[int], device: torch.device) -> torch.Tensor:
@@ -62,20 +65,11 @@ class TorchTransport(Transport):
 
     name = "torch"
 
-    def __init__(self, cfg: EPConfig, rank: int, device: torch.device, init_method: str | None = None):
-        """Joins the process group through ``init_method`` (collective) unless this process
-        already has one (further transports for other configs share it)."""
+    def __init__(self, cfg: EPConfig, rank: int, device: torch.device, group: dist.ProcessGroup | None = None):
+        """Runs over ``group`` (default: the process's WORLD group), which its owner (the
+        :class:`~ray_ep.communicator.EPCommunicator`'s caller) created and destroys."""
         super().__init__(cfg, rank, device)
-        self._owns_group = not dist.is_initialized()
-        if self._owns_group:
-            if init_method is None:
-                raise ValueError("the first TorchTransport of a process needs an init_method (tcp://host:port)")
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
-                                    world_size=cfg.world_size,
-                                    timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
-                                    **({"device_id": device} if device.type == "cuda" else {}))
-        self.group = dist.group.WORLD
+        self.group = group if group is not None else dist.group.WORLD
         # Triton layout kernel on GPUs (fast), its torch twin on CPUs (no interpreter cost)
         self._layout = compute_layout if device.type == "cuda" else compute_layout_torch
         on_gpu = device.type == "cuda"
@@ -89,10 +83,12 @@ class TorchTransport(Transport):
         i = inp.contiguous().view(torch.uint8).view(inp.shape[0], inp.shape[1] * inp.element_size())
         return dist.all_to_all_single(o, i, out_splits, in_splits, group=self.group, async_op=async_op)
 
-    def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK) -> _PendingDispatch:
+    def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK, layout: DispatchLayout | None = None
+                      ) -> _PendingDispatch:
         cfg, R, L, H = self.cfg, self.cfg.world_size, self.cfg.experts_per_rank, self.cfg.hidden_size
         check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, self.device)
-        layout = self._layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L)
+        if layout is None:
+            layout = self._layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L)
         # counts for each destination: [rows, rows per local expert of that destination]
         send_counts = torch.cat([layout.rank_counts_R[:, None], layout.expert_counts_E.view(R, L)], dim=1)
         counts = torch.empty_like(send_counts)
@@ -115,7 +111,12 @@ class TorchTransport(Transport):
             group = FP8_GROUP if cfg.dispatch_dtype == "fp8" else NVFP4_BLOCK
             r_scales = torch.empty(n_in, H // group, dtype=scales.dtype, device=self.device)
             works.append(self._a2a(r_scales, scales[idx], recv_splits, in_splits, async_op=True))
-        return _PendingDispatch(layout, counts, recv_splits, r_rows, r_scales, r_meta, works, x_TH.shape[0])
+        r_weights = None
+        if topk_weights_TK.dtype == torch.float64:  # fp32 bits in the meta rows would round them
+            r_weights = torch.empty(n_in, cfg.top_k, dtype=torch.float64, device=self.device)
+            works.append(self._a2a(r_weights, topk_weights_TK[idx], recv_splits, in_splits, async_op=True))
+        return _PendingDispatch(layout, counts, recv_splits, r_rows, r_scales, r_meta, works, x_TH.shape[0],
+                                r_weights)
 
     def dispatch_recv(self, pending: _PendingDispatch) -> DispatchHandle:
         for w in pending.works:
@@ -123,7 +124,8 @@ class TorchTransport(Transport):
         row_base = _exclusive_cumsum(pending.recv_splits, self.device)
         recv = expert_major_torch(cfg=self.cfg, rank=self.rank, counts_RL1=pending.counts_RL1,
                                 meta_rows=pending.meta, row_base_R=row_base)
-        return DispatchHandle(pending.layout, recv, pending.rows, pending.scales, pending.meta, pending.num_tokens)
+        return DispatchHandle(pending.layout, recv, pending.rows, pending.scales, pending.meta, pending.num_tokens,
+                              pending.weights)
 
     def combine_send(self, y_MH, handle: DispatchHandle) -> _PendingCombine:
         cfg = self.cfg
@@ -132,8 +134,9 @@ class TorchTransport(Transport):
         in_splits = handle.recv.recv_counts_R.tolist()
         row_base = _exclusive_cumsum(in_splits, self.device)
         parts = combine_partials_torch(cfg=cfg, rank=self.rank, y_MH=y_MH, src_offsets_RL=handle.recv.src_offsets_RL,
-                                     counts_R=handle.recv.recv_counts_R, meta_rows=handle.meta_rows, row_base_R=row_base)
-        wire = torch.bfloat16 if cfg.combine_dtype == "bf16" else torch.float32
+                                     counts_R=handle.recv.recv_counts_R, meta_rows=handle.meta_rows,
+                                     row_base_R=row_base, weights_rows=handle.weights_rows)
+        wire = WIRE_DTYPES[cfg.combine_dtype]
         send = torch.cat(parts).to(wire) if parts else torch.empty(0, cfg.hidden_size, dtype=wire, device=self.device)
         out_splits = handle.layout.rank_counts_R.tolist()
         rows = torch.empty(sum(out_splits), cfg.hidden_size, dtype=wire, device=self.device)
@@ -159,8 +162,3 @@ class TorchTransport(Transport):
         if not hasattr(self, "_one"):
             self._one = torch.ones(1, device=self.device)
         dist.all_reduce(self._one, group=self.group)
-
-    def shutdown(self) -> None:
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-        self._owns_group = False
