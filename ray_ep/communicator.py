@@ -44,9 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import BufferPlan, EPConfig, plan_buffers
+from .config import BufferPlan, EPConfig, micro_batch_config, plan_buffers
 from .errors import EPConfigError, EPStateError, EPTimeoutError, EPWorkerError
 from .kernels.experts import ExpertScratch, LocalExperts, run_experts, shared_experts
+from .pipeline import moe_micro_batched
 from .transport.base import Transport
 from .transport.torch_dist import TorchTransport
 from .types import DispatchHandle, DispatchLayout
@@ -185,6 +186,7 @@ class EPCommunicator:
             self.backend, problem = "none", str(e)
         self._parent: EPCommunicator | None = None
         self._children: list[EPCommunicator] = []
+        self._micro: dict[int, list[EPCommunicator]] = {}
         self._transports: dict[str, Transport] = {}
         self._scratch: ExpertScratch | None = None
         self._last_send: str | None = None
@@ -264,7 +266,7 @@ class EPCommunicator:
         child = object.__new__(EPCommunicator)
         child._group, child.device, child.rank = self._group, self.device, self.rank
         child.config, child.backend = config, _resolve_backend(config, self.device)
-        child._parent, child._children, child._transports = self, [], {}
+        child._parent, child._children, child._transports, child._micro = self, [], {}, {}
         child._scratch, child._last_send, child._owns_nvshmem = None, None, False
         child._agree()
         if child.backend == "nvshmem":
@@ -408,14 +410,32 @@ class EPCommunicator:
 
     def moe(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
             experts: LocalExperts, *, out_dtype: torch.dtype | None = None, fused: bool = True,
-            validate: bool = True, backend: str | None = None) -> torch.Tensor:
+            validate: bool = True, backend: str | None = None, micro_batches: int | None = None) -> torch.Tensor:
         """One MoE layer (dispatch, built-in experts, combine, shared experts); collective:
-        every rank calls it, with 0 tokens if it has none."""
+        every rank calls it, with 0 tokens if it has none. ``micro_batches`` (default: the
+        config's) > 1 overlaps one micro-batch's communication with another's experts
+        (:mod:`ray_ep.pipeline`; the same output)."""
         x, ids, w = self.prepare_inputs(x_TH, topk_ids_TK, topk_weights_TK, validate)
+        n = micro_batches or self.config.micro_batches
+        if n > 1:
+            parts = self.micro_batch_communicators(n)
+            return moe_micro_batched([c.transport(backend) for c in parts], [c.scratch for c in parts], experts,
+                                     x, ids, w, self._out_dtype(out_dtype), fused=fused)
         h = self.dispatch(x, ids, w, fused=fused, validate=False, backend=backend)
         y = self.run_experts(h, experts)
         return self.combine(y, h, out_dtype=out_dtype, add_TH=shared_experts(x, experts), fused=fused,
                             backend=backend)
+
+    def micro_batch_communicators(self, n: int) -> list["EPCommunicator"]:
+        """``n`` siblings with buffers for ``ceil(max_tokens_per_rank / n)`` tokens each, made on
+        first use (collective: every rank asks for the same ``n`` in the same call)."""
+        self._check_open()
+        if not 1 < n <= 8:
+            raise EPConfigError(f"micro_batches must be 2 .. 8 here, got {n}")
+        if n not in self._micro:
+            cfg = micro_batch_config(self.config.model_copy(update={"micro_batches": n}))
+            self._micro[n] = [self.sibling(cfg) for _ in range(n)]
+        return self._micro[n]
 
     def barrier(self) -> None:
         """Block the host until every rank got here."""
@@ -437,7 +457,7 @@ class EPCommunicator:
             return
         for child in reversed(self._children):
             child.close()
-        self._children = []
+        self._children, self._micro = [], {}
         transports, self._transports = self._transports, None
         self._scratch = None
         try:

@@ -11,7 +11,7 @@ memory cost per GPU is known before anything is allocated.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -102,6 +102,11 @@ class EPConfig(BaseModel):
     """auto: nvshmem when every worker has a GPU, else torch (gloo on CPU)."""
     num_sms: int | None = Field(default=None, gt=0)
     """Most programs (SMs) a communication kernel may use; None: all of them."""
+    micro_batches: int = Field(default=1, ge=1, le=8)
+    """MoE layers cut each rank's tokens into this many micro-batches and overlap one's
+    communication with another's experts (:mod:`ray_ep.pipeline`); each micro-batch has buffers
+    of its own for ``ceil(max_tokens_per_rank / micro_batches)`` tokens. Pays with ``num_sms``
+    (communication on a few SMs, the GEMMs on the rest)."""
     init_timeout_s: float = Field(default=180.0, gt=0, le=MAX_TIMEOUT_S)
     """Limit for starting workers and joining the rendezvous / NVSHMEM bootstrap."""
     recv_timeout_s: float = Field(default=30.0, gt=0, le=MAX_TIMEOUT_S)
@@ -401,8 +406,26 @@ class MemoryPlan:
         return "\n".join(f"{name:<60}{format_bytes(nbytes):>12}" for name, nbytes in rows)
 
 
+def micro_batch_config(cfg: EPConfig) -> EPConfig:
+    """The config of each of ``cfg.micro_batches`` micro-batches: the same layer, buffers for
+    ``ceil(max_tokens_per_rank / micro_batches)`` tokens."""
+    return cfg.model_copy(update={"max_tokens_per_rank": -(-cfg.max_tokens_per_rank // cfg.micro_batches),
+                                  "micro_batches": 1})
+
+
 def plan_memory(cfg: EPConfig) -> MemoryPlan:
-    """The memory of one rank of ``cfg``; see :class:`MemoryPlan`."""
+    """The memory of one rank of ``cfg``; see :class:`MemoryPlan` (micro-batches add their own
+    symmetric buffers, workspace and expert scratch)."""
+    plan = _plan_memory(cfg)
+    if cfg.micro_batches > 1:
+        part = _plan_memory(micro_batch_config(cfg))
+        n = cfg.micro_batches
+        plan = replace(plan, symmetric=plan.symmetric + n * part.symmetric, scratch=plan.scratch + n * part.scratch,
+                       workspace=plan.workspace + n * part.workspace)
+    return plan
+
+
+def _plan_memory(cfg: EPConfig) -> MemoryPlan:
     H, Fi, L, S, E = cfg.hidden_size, cfg.intermediate_size, cfg.experts_per_rank, cfg.n_shared_experts, cfg.n_experts
     bf16 = DTYPE_BYTES["bf16"]
     expert = 3 * H * Fi * bf16  # gate_up [H, 2F] and down [F, H]

@@ -27,9 +27,12 @@ ID_DTYPES = (torch.int32, torch.int64)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # what a dispatch send takes, by dispatch dtype: the rows' own format, or any of X_DTYPES for
 # fp8 (quantised inside the send)
-SEND_DTYPES = {"bf16": (torch.bfloat16,), "fp8": X_DTYPES, "fp32": (torch.float32,), "fp64": (torch.float64,)}
+# fp8 and nvfp4 quantise inside the send, so they take any float row
+SEND_DTYPES = {"bf16": (torch.bfloat16,), "fp8": X_DTYPES, "nvfp4": X_DTYPES, "fp32": (torch.float32,),
+               "fp64": (torch.float64,)}
 # router weights travel in fp32 (meta rows), in fp64 beside fp64 rows
-ROUTER_WEIGHT_DTYPE = {"bf16": torch.float32, "fp8": torch.float32, "fp32": torch.float32, "fp64": torch.float64}
+ROUTER_WEIGHT_DTYPE = {"bf16": torch.float32, "fp8": torch.float32, "nvfp4": torch.float32, "fp32": torch.float32,
+                       "fp64": torch.float64}
 
 
 def _shape(t: object) -> object:
@@ -147,8 +150,8 @@ def validate_per_rank(world_size: int, **lists: object) -> None:
 def check_send_inputs(cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
                       topk_weights_TK: torch.Tensor, device: torch.device) -> None:
     """Raise EPInputError unless the tensors are what a dispatch send of ``cfg`` takes on
-    ``device`` (metadata only, no sync): x_TH [T, H] bf16 (fp8 dispatch also takes fp16/fp32:
-    it quantises inside the send; fp32 / fp64 dispatch takes that dtype), topk_ids_TK [T, K]
+    ``device`` (metadata only, no sync): x_TH [T, H] bf16 (fp8 and nvfp4 dispatch also take
+    fp16/fp32: they quantise inside the send; fp32 / fp64 dispatch takes that dtype), topk_ids_TK [T, K]
     int32, topk_weights_TK [T, K] fp32 (fp64 with fp64 dispatch), each with a contiguous last
     dimension."""
     want = SEND_DTYPES[cfg.dispatch_dtype]

@@ -126,7 +126,8 @@ def test_layer_rows_with_experts_alone(ray_session, tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     rows = {r["op"]: r for r in json.loads(js.read_text())["rows"]}
-    assert {"dispatch", "combine", "layer", "experts"} <= set(rows)
+    assert {"dispatch", "combine", "layer", "experts", "layer-mb2"} <= set(rows)
+    assert rows["layer-mb2"]["tflops"] > 0  # the pipelined layer (2 micro-batches, the default)
     # the same work in both rows; the layer adds the communication
     assert rows["experts"]["tflops"] > 0 and rows["layer"]["tflops"] > 0
     assert rows["experts"]["tflops"] * rows["experts"]["median_us"] == pytest.approx(

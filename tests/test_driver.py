@@ -160,6 +160,31 @@ def test_fused_and_split_forms_agree_exactly(ep):
     assert all(torch.equal(a, b) for a, b in zip(fused, split))
 
 
+@pytest.mark.parametrize("micro_batches", [2, 3])
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+def test_micro_batched_layer_matches_reference_and_serial(ep, routing, micro_batches):
+    """The pipelined layer (micro-batches with their own buffers, communication of one beside
+    the experts of another) gives the serial layer's output: odd token counts (uneven
+    micro-batches), a rank with fewer tokens than micro-batches, an empty rank."""
+    cfg = ep.config
+    xs, ids, ws = inputs(cfg, [7, 16, 1, 0][: cfg.world_size], seed=8, routing=routing)
+    for fused in (True, False):
+        outs = ep.forward(xs, ids, ws, fused=fused, micro_batches=micro_batches)
+        assert [tuple(o.shape) for o in outs] == [tuple(x.shape) for x in xs]
+        assert_close_to_reference(cfg, outs, xs, ids, ws, world_weights(cfg, LAYER0_SEED))
+        serial = ep.forward(xs, ids, ws, fused=fused)
+        for a, b in zip(outs, serial):
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("bad", [0, 9, 1.5, True, "2"])
+def test_bad_micro_batches_is_refused(ep2, bad):
+    cfg = ep2.config
+    xs, ids, ws = inputs(cfg, 4, seed=9)
+    with pytest.raises(EPInputError, match="micro_batches must be an int from 1 to 8"):
+        ep2.forward(xs, ids, ws, micro_batches=bad)
+
+
 @pytest.mark.parametrize("counts", ["zero-on-rank-0", "zero-everywhere", "one-token"])
 def test_empty_and_single_token_ranks(ep, counts):
     cfg = ep.config
@@ -673,6 +698,12 @@ class TestFp8Dispatch:
             outs = ep_fp8.forward(xs, ids, ws, fused=fused)
             assert_close_to_reference(cfg, outs, xs, ids, ws, world_weights(cfg, LAYER0_SEED))
 
+    def test_micro_batched(self, ep_fp8):
+        cfg = ep_fp8.config
+        xs, ids, ws = inputs(cfg, [cfg.max_tokens_per_rank, 3], seed=53)
+        outs = ep_fp8.forward(xs, ids, ws, micro_batches=2)
+        assert_close_to_reference(cfg, outs, xs, ids, ws, world_weights(cfg, LAYER0_SEED))
+
     def test_dispatched_rows_are_the_reference_fp8_rows(self, ep_fp8):
         cfg = ep_fp8.config
         xs, ids, ws = inputs(cfg, [9, 14], seed=52, routing="skewed")
@@ -699,6 +730,12 @@ class TestSharedExperts:
         assert ep_shared.check(num_tokens=[0, 10], routing=routing, seed=60).passed
         xs, ids, ws = inputs(cfg, [cfg.max_tokens_per_rank, 0], seed=61, routing=routing)
         outs = ep_shared.forward(xs, ids, ws, fused=False)
+        assert_close_to_reference(cfg, outs, xs, ids, ws, world_weights(cfg, LAYER0_SEED))
+
+    def test_micro_batched(self, ep_shared):
+        cfg = ep_shared.config
+        xs, ids, ws = inputs(cfg, [cfg.max_tokens_per_rank, 5], seed=65, routing="skewed")
+        outs = ep_shared.forward(xs, ids, ws, micro_batches=2)
         assert_close_to_reference(cfg, outs, xs, ids, ws, world_weights(cfg, LAYER0_SEED))
 
     def test_shared_expert_alone_on_masked_tokens(self, ep_shared):

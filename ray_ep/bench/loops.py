@@ -14,6 +14,7 @@ belongs to a token that chose that expert.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 
@@ -25,6 +26,7 @@ from ..fp8 import dequantize_fp8_torch, quantize_fp8_torch
 from ..nvfp4 import dequantize_nvfp4_torch, quantize_nvfp4_torch
 from ..inputs import rank_inputs
 from ..kernels.experts import run_experts, shared_experts
+from ..pipeline import moe_micro_batched
 from ..transport.base import Transport
 from ..types import DispatchHandle
 
@@ -199,15 +201,20 @@ def expert_flops(cfg: EPConfig, expert_rows: int, num_tokens: int) -> int:
 
 
 def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, experts, scratch, num_tokens: int,
-                routing: str, seed: int, iters: int, warmup: int, sets: int = 3) -> RankTimes:
+                routing: str, seed: int, iters: int, warmup: int, sets: int = 3,
+                micro: tuple[list[Transport], list] | None = None) -> RankTimes:
     """A whole MoE layer (dispatch, grouped-GEMM experts, combine, shared experts) and, on the
     same dispatch, the experts alone (no communication: what the layer would take if
-    communication were free). ``flops`` is the experts' work on the first input set."""
+    communication were free). ``flops`` is the experts' work on the first input set.
+    ``micro``: (transports, scratches) of micro-batches: the pipelined layer is timed too
+    (``layer-mb<n>``, :func:`ray_ep.pipeline.moe_micro_batched`)."""
     inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device) for i in range(sets)]
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"layer": [], "experts": []}
     remote = received = flops = 0
-    with t.deferred_checks():
+    with contextlib.ExitStack() as deferred:  # no host sync inside the timed regions
+        for tr in [t, *(micro[0] if micro else [])]:
+            deferred.enter_context(tr.deferred_checks())
         for i in range(warmup + iters):
             x, ids, w = inputs[i % sets]
             s = clock.start()
@@ -224,6 +231,12 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
             if i >= warmup:
                 times["layer"].append(us)
                 times["experts"].append(e_us)
+            if micro is not None:
+                s = clock.start()
+                moe_micro_batched(micro[0], micro[1], experts, x, ids, w, torch.bfloat16)
+                m_us = clock.stop(s)
+                if i >= warmup:
+                    times.setdefault(f"layer-mb{len(micro[0])}", []).append(m_us)
             if i == 0:
                 remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
                 received = int(h.recv.recv_counts_R.sum())
@@ -302,8 +315,13 @@ def run_row(worker, kind: str, *, group: str = "main", backend: str | None = Non
     if kind == "layer":
         if 0 not in g.experts:
             worker.load_experts(seed=0, group=group, draw_on_device=True)  # timing only: no reference
+        n = kwargs.pop("micro_batches", 1)
+        micro = None
+        if n > 1:
+            parts = g.comm.micro_batch_communicators(n)  # collective on first use
+            micro = ([c.transport(backend) for c in parts], [c.scratch for c in parts])
         return bench_layer(worker.transport(backend, group), g.cfg, rank, device, experts=g.experts[0],
-                           scratch=g.comm.scratch, **kwargs).to_dict()
+                           scratch=g.comm.scratch, micro=micro, **kwargs).to_dict()
     if kind == "soak":
         return soak(worker.transport(backend, group), g.cfg, rank, device, **kwargs)
     if kind == "all_to_all":

@@ -300,10 +300,12 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
                     received_gbps=received / slowest / 1e3 if slowest else 0.0,
                     check_error=max(checks) if op in ("dispatch", "combine") else None,
                     misplaced_rows=sum(r["misplaced_rows"] for r in per_rank),
-                    tflops=_tflops(per_rank, slowest) if op in LAYER_OPS else None, **labels)
+                    tflops=_tflops(per_rank, slowest) if _is_layer_op(op) else None, **labels)
 
 
-LAYER_OPS = ("layer", "experts")  # rows that report the experts' TFLOP/s
+def _is_layer_op(op: str) -> bool:
+    """Rows that report the experts' TFLOP/s: layer, layer-mb<n> (micro-batched) and experts."""
+    return op in ("layer", "experts") or op.startswith("layer-mb")
 
 
 def _tflops(per_rank: list[dict], slowest_us: float) -> float | None:
@@ -381,7 +383,8 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
               tokens: Sequence[int] | None = None, routing: Sequence[str] = ("uniform",), iters: int = 50,
               warmup: int = 5, num_sms: int | Sequence[int | None] | None = None, fused: bool = True,
               layer: bool = False, baselines: bool = True, progress: bool = True, seed: int = 0,
-              dtypes: Sequence[str] | None = None, cuda_graph: bool = False) -> BenchResult:
+              dtypes: Sequence[str] | None = None, cuda_graph: bool = False,
+              micro_batches: int = 2) -> BenchResult:
     """Benchmark ``presets`` (names of BENCH_PRESETS) on a started cluster.
 
     backends: ``nvshmem`` (ray_ep's kernels) and/or ``torch`` (the NCCL / gloo pipeline);
@@ -392,6 +395,8 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
     ``progress``: a progress line on stderr. dtypes: the dispatch dtypes of every preset's rows
     (bf16, fp8, nvfp4; default: each preset's own list). ``cuda_graph``: ray_ep's dispatch and
     combine also replayed from CUDA graphs (rows labelled ``ray_ep-graph``; GPUs only).
+    ``micro_batches``: with ``layer``, also the layer pipelined over that many micro-batches
+    (``layer-mb<n>`` rows; 1: none).
     """
     for p in presets:
         if p not in BENCH_PRESETS:
@@ -428,7 +433,8 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
         for p in presets:
             _run_preset(cluster, result, bar, p, [c for c in plan if c[0] == p], tokens=tokens, iters=iters,
                         warmup=warmup, fused=fused, layer=layer, baselines=baselines and on_gpu, seed=seed,
-                        device_sms=result.meta.get("sms"), gpu_workers=gpu_workers, cuda_graph=cuda_graph)
+                        device_sms=result.meta.get("sms"), gpu_workers=gpu_workers, cuda_graph=cuda_graph,
+                        micro_batches=micro_batches)
         if baselines and on_gpu and base.gpus_per_node >= 2:  # a pair on one node
             bar.start("copy-engine peer copy, one GPU pair")
             per_rank = cluster.run(run_row, "peer_copy", nbytes=256 * 2**20, iters=iters, warmup=warmup)
@@ -447,7 +453,7 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
 
 def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str, plan: list[tuple], *,
                 tokens, iters: int, warmup: int, fused: bool, layer: bool, baselines: bool, seed: int,
-                device_sms, gpu_workers: bool, cuda_graph: bool = False) -> None:
+                device_sms, gpu_workers: bool, cuda_graph: bool = False, micro_batches: int = 2) -> None:
     """The rows of one preset: per dispatch dtype and SM budget a worker group of its own,
     dropped afterwards."""
     spec = BENCH_PRESETS[p]
@@ -461,7 +467,9 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
         sms_label = str(num_sms or device_sms or "-")
         name = f"bench/{p}/{dt}/{num_sms or 'all'}"
         bar.start(f"{p} {dt}{f' at {num_sms} SMs' if num_sms else ''}: allocating buffers")
-        cluster.require_memory(cfg, what=f"the {p} {dt} rows", symmetric=True, layers=int(layer), scratch=layer)
+        # with --layer the micro-batched rows add buffers of their own (made on first use)
+        mem_cfg = cfg.model_copy(update={"micro_batches": micro_batches}) if layer else cfg
+        cluster.require_memory(mem_cfg, what=f"the {p} {dt} rows", symmetric=True, layers=int(layer), scratch=layer)
         cluster.call_workers("add_group", name, cfg)
         interrupted = False
         experts_done: set[tuple] = set()
@@ -489,8 +497,12 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
                 if layer:
                     bar.start(f"{case}: MoE layer")
                     per_rank = cluster.run(run_row, "layer", group=name, backend=b, num_tokens=T,
-                                           routing=rt, seed=seed, iters=iters, warmup=warmup)
+                                           routing=rt, seed=seed, iters=iters, warmup=warmup,
+                                           micro_batches=micro_batches)
                     result.rows.append(aggregate(per_rank, "layer", cfg, row_bytes(cfg, "dispatch"), **labels))
+                    if micro_batches > 1:
+                        result.rows.append(aggregate(per_rank, f"layer-mb{micro_batches}", cfg,
+                                                     row_bytes(cfg, "dispatch"), **labels))
                     if (rt, T) not in experts_done:  # the experts alone: the same kernels on every backend
                         experts_done.add((rt, T))
                         result.rows.append(aggregate(per_rank, "experts", cfg, 0, **labels))
@@ -536,6 +548,8 @@ def add_arguments(parser) -> None:
                              "'all' = no budget)")
     parser.add_argument("--split", action="store_true", help="time the split send/recv forms instead of fused")
     parser.add_argument("--layer", action="store_true", help="also time whole MoE layers (experts included)")
+    parser.add_argument("--micro-batches", type=positive_int, default=2,
+                        help="with --layer, also the layer pipelined over this many micro-batches (1: none)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="also time dispatch and combine replayed from CUDA graphs (GPUs; rows 'ray_ep-graph')")
     parser.add_argument("--no-baselines", action="store_true", help="skip raw all_to_all and the peer copy")
@@ -606,6 +620,9 @@ def run_from_args(args) -> int:
         if path and not os.path.isdir(folder):
             print(f"ray-ep bench: cannot write {path}: no folder {folder}", file=sys.stderr)
             return 2
+    if args.micro_batches > 8:
+        print(f"ray-ep bench: --micro-batches takes 1 .. 8, got {args.micro_batches}", file=sys.stderr)
+        return 2
     gpus = torch.cuda.device_count()
     if args.cuda_graph and (not gpus or (args.backend or "") == "torch"):
         print("ray-ep bench: --cuda-graph replays ray_ep's kernels from CUDA graphs: it needs GPUs and the nvshmem "
@@ -644,7 +661,7 @@ def run_from_args(args) -> int:
                                      routing=args.routing.split(","), iters=args.iters, warmup=args.warmup,
                                      num_sms=args.num_sms, fused=not args.split, layer=args.layer,
                                      baselines=not args.no_baselines, progress=progress, dtypes=dtypes,
-                                     cuda_graph=args.cuda_graph)
+                                     cuda_graph=args.cuda_graph, micro_batches=args.micro_batches)
     except KeyboardInterrupt:
         _mute_ray_ep_logs()
         ep.shutdown(kill=True)  # idempotent: whatever a Ctrl-C inside start() or shutdown() left
