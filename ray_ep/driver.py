@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -31,7 +32,7 @@ from .actors.worker import DispatchSummary, EPWorker
 from .config import EPConfig, format_bytes, plan_buffers, plan_memory
 from .errors import EPClusterError, EPInputError, EPStateError
 from .inputs import ROUTINGS
-from .local_cluster import start_local_ray
+from .local_cluster import init_ray_bounded, start_local_ray
 from .routing import route
 from .transport.nvshmem import NO_MULTICAST_ENV
 from .validation import validate_moe_inputs, validate_per_rank, validate_router_logits
@@ -103,6 +104,10 @@ class EPCluster:
             ones NVSHMEM/NCCL need: NVLink multicast stays off).
         num_cpus_per_worker: CPU slots per worker (default 1 with GPUs, 0.5 without).
         placement_strategy: see :class:`~ray_ep.actors.group.EPWorkerGroup`.
+        auto_restart: rebuild a failed group (a dead rank, a call past its timeout, a silent peer,
+            a broken collective) at the next call, as :meth:`restart` does; the call that saw
+            the failure still raises (its data is lost). False: every call raises EPStateError
+            until :meth:`restart` (or shutdown() and start()).
         check_memory: before allocating (start: symmetric buffers; load_experts: weights and
             scratch; check: the reference's world weights), compare the plan
             (:func:`~ray_ep.config.plan_memory`) with the memory the workers' GPUs and hosts
@@ -112,7 +117,7 @@ class EPCluster:
 
     def __init__(self, config: EPConfig | str | dict, *, address: str | None = None, use_gpu: bool | None = None,
                  runtime_env: dict | None = None, num_cpus_per_worker: float | None = None,
-                 placement_strategy: str | None = None, check_memory: bool = True):
+                 placement_strategy: str | None = None, check_memory: bool = True, auto_restart: bool = False):
         self.config = _as_config(config)
         self._address = address
         self._use_gpu = use_gpu
@@ -126,6 +131,12 @@ class EPCluster:
         self._num_tokens: list[int] = []
         self.backend: str | None = None
         self._layers_loaded: set[int] = set()
+        # what load_experts loaded, per layer (the last load wins): replayed by restart()
+        self._expert_loads: dict[int, tuple[ExpertWeights | None, int]] = {}
+        self.auto_restart = auto_restart
+        self._started = False  # start() succeeded and no shutdown() since (a failed restart leaves no group)
+        self.restarts = 0
+        """How many times the group was rebuilt (:meth:`restart`, or ``auto_restart``)."""
         self._check_memory = check_memory
         self._use_gpu_resolved = False  # what start() decided
 
@@ -142,8 +153,20 @@ class EPCluster:
                 # a fresh local Ray, quiet; logical CPU slots for every worker even on a 2-core laptop
                 start_local_ray(max(os.cpu_count() or 1, cfg.world_size))
             else:
-                ray.init(address=self._address)
+                init_ray_bounded(self._address, cfg.init_timeout_s)
             self._owns_ray = True
+        try:
+            self._start_group()
+        except BaseException:
+            self._teardown()
+            raise
+        self._started = True
+        return self
+
+    def _start_group(self) -> None:
+        """The workers, their rendezvous (a new port) and backend (a new NVSHMEM unique id) on
+        the connected Ray; a failure kills what was started and raises."""
+        cfg = self.config
         gpus = ray.cluster_resources().get("GPU", 0)
         use_gpu = self._use_gpu if self._use_gpu is not None else gpus >= cfg.world_size
         backend = cfg.backend
@@ -158,21 +181,53 @@ class EPCluster:
         env["env_vars"] = {**NO_MULTICAST_ENV, "TORCH_CPP_LOG_LEVEL": "ERROR", **env.get("env_vars", {})}
         self._use_gpu_resolved = use_gpu
         num_cpus = self._num_cpus if self._num_cpus is not None else (1.0 if use_gpu else 0.5)
-        self._group = EPWorkerGroup(EPWorker, cfg, use_gpu=use_gpu, runtime_env=env, num_cpus_per_worker=num_cpus,
-                                    placement_strategy=self._strategy)
+        group = EPWorkerGroup(EPWorker, cfg, use_gpu=use_gpu, runtime_env=env, num_cpus_per_worker=num_cpus,
+                              placement_strategy=self._strategy)
+        self._group = group
         try:
-            self._group.start()
+            group.start()
             self.require_memory(cfg, what="the symmetric buffers", symmetric=True)
-            addr, port = self._group.execute_single(0, "rendezvous_address")
-            self._group.execute("init_torch", cfg, addr, port, call_timeout_s=cfg.init_timeout_s)
+            addr, port = group.execute_single(0, "rendezvous_address")
+            group.execute("init_torch", cfg, addr, port, call_timeout_s=cfg.init_timeout_s)
             if backend == "nvshmem":
-                uid = self._group.execute_single(0, "make_nvshmem_uid")
-                self._group.execute("init_nvshmem", uid, call_timeout_s=cfg.init_timeout_s)
+                uid = group.execute_single(0, "make_nvshmem_uid")
+                group.execute("init_nvshmem", uid, call_timeout_s=cfg.init_timeout_s)
         except BaseException:
-            self._teardown()
+            group.shutdown()
+            self._group = None
             raise
         self.backend = backend
+        self._phase = None
         log.info("ray_ep: %d workers up, backend %s", cfg.world_size, backend)
+
+    def restart(self) -> "EPCluster":
+        """Rebuild the group in place: kill every worker (a failed group cannot be patched:
+        NVSHMEM state, epochs and process groups are shared by all ranks), start new ones with
+        the same config on the same Ray (a new rendezvous and NVSHMEM unique id), and load
+        every expert layer again from what :meth:`load_experts` was given (the same seed, or
+        the same ExpertWeights). State installed through :meth:`run` (``worker.state``) is
+        not replayed: install it again. Works on a healthy group too.
+
+        Raises what :meth:`start` raises when the new group cannot start (the cluster is then
+        not running: call restart() again or start())."""
+        if not self._started:
+            raise EPStateError("the cluster is not running: call start() (or use `with EPCluster(...)`) first")
+        if not ray.is_initialized():
+            raise EPStateError("Ray is gone (shut down or the driver lost it): call shutdown(), then start()")
+        failure = self.failure
+        t0 = time.perf_counter()
+        if self._group is not None:
+            self._group.shutdown()  # kills: no collective on a group that may be out of step
+            self._group = None
+        self._phase = None
+        self._layers_loaded.clear()
+        self._start_group()
+        loads = list(self._expert_loads.items())
+        for layer, (weights, seed) in loads:
+            self.load_experts(weights, seed=seed, layer=layer)
+        self.restarts += 1
+        log.warning("ray_ep: group rebuilt in %.1f s (%d expert layer(s) reloaded)%s", time.perf_counter() - t0,
+                    len(loads), f" after: {failure}" if failure else "")
         return self
 
     def _start_local_cluster(self) -> None:
@@ -214,6 +269,9 @@ class EPCluster:
             self._group.shutdown()
             self._group = None
         self._phase = None
+        self._expert_loads.clear()
+        self._layers_loaded.clear()
+        self._started = False
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
@@ -227,9 +285,16 @@ class EPCluster:
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.shutdown(kill=exc_type is KeyboardInterrupt)  # interrupted: stop now, no collective
 
-    def _need_group(self) -> EPWorkerGroup:
+    def _need_group(self, restart: bool = True) -> EPWorkerGroup:
+        """The running group; with ``auto_restart`` (and ``restart``) a failed one is rebuilt first."""
         if self._group is None:
-            raise EPStateError("the cluster is not running: call start() (or use `with EPCluster(...)`) first")
+            if restart and self.auto_restart and self._started and ray.is_initialized():
+                self.restart()  # a previous restart failed half-way: try again
+            else:
+                raise EPStateError("the cluster is not running: call start() (or use `with EPCluster(...)`) first")
+        elif restart and self.auto_restart and not self._group.alive:
+            log.warning("ray_ep: auto_restart: rebuilding the failed group (%s)", self._group.failure)
+            self.restart()
         return self._group
 
     @property
@@ -239,7 +304,7 @@ class EPCluster:
     @property
     def actors(self) -> list:
         """The workers' Ray actor handles in rank order (advanced: health probes, fault tests)."""
-        return list(self._need_group().actors)
+        return list(self._need_group(restart=False).actors)
 
     def info(self) -> list[dict]:
         """One dict per rank: device, GPU name and SMs, node, whether nvshmem4py is there."""
@@ -249,7 +314,7 @@ class EPCluster:
         """Whether each rank can serve: it answers a ping and the group has not failed (a dead
         rank, a call past its timeout, a silent peer or a broken collective leave the ranks out
         of step: then every rank reports False until the group is rebuilt)."""
-        group = self._need_group()
+        group = self._need_group(restart=False)
         ok = group.health()
         return ok if group.alive else [False] * len(ok)
 
@@ -284,6 +349,8 @@ class EPCluster:
                     "shared_gate_up_SHF2": w.shared_gate_up, "shared_down_SFH": w.shared_down}})
             g.execute_per_rank("load_experts", [(None,)] * self.world_size, per_rank)
         self._layers_loaded.add(layer)
+        self._expert_loads.pop(layer, None)  # replayed in the order of the last loads
+        self._expert_loads[layer] = (weights, seed)
 
     def require_memory(self, cfg: EPConfig, *, what: str, symmetric: bool = False, layers: int = 0,
                        scratch: bool = False, reference: bool = False) -> None:

@@ -158,7 +158,7 @@ class EPWorker:
 
     def device_info(self) -> dict:
         info = {"rank": self.rank, "device": str(self.device), "node_id": self.ctx.node_id,
-                "local_rank": self.ctx.local_rank, "node_rank": self.ctx.node_rank}
+                "local_rank": self.ctx.local_rank, "node_rank": self.ctx.node_rank, "pid": os.getpid()}
         if self.device.type == "cuda":
             p = torch.cuda.get_device_properties(self.device)
             info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))

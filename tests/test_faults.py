@@ -1,0 +1,198 @@
+"""Faults on CPU workers (torch backend over gloo): a worker killed between calls and mid-call,
+a worker stalled (SIGSTOP) past recv_timeout_s, a slow and a silent peer; then
+EPCluster.restart() and auto_restart rebuild the group with the same experts; and a Ray
+address that does not answer fails within init_timeout_s.
+
+One 2-rank cluster (recv_timeout_s = 2 s) serves every test; each test leaves it rebuilt.
+No test asserts a speed; the waits are bounded by the timeouts they test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from ray_ep import EPCluster, EPConfig, make_inputs
+from ray_ep.errors import EPClusterError, EPStateError, EPTimeoutError, EPWorkerError
+from ray_ep.local_cluster import init_ray_bounded
+from ray_ep.weights import init_expert_weights
+
+REPO = Path(__file__).resolve().parents[1]
+RECV_TIMEOUT_S = 2.0
+CFG = EPConfig.preset("tiny", gpus_per_node=2, recv_timeout_s=RECV_TIMEOUT_S, call_timeout_s=120.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ship_this_module():
+    # the functions handed to EPCluster.run live here; workers cannot import tests/: by value
+    module = sys.modules[__name__]
+    ray.cloudpickle.register_pickle_by_value(module)
+    yield
+    ray.cloudpickle.unregister_pickle_by_value(module)
+
+
+@pytest.fixture(scope="module")
+def ep(ray_session):
+    """tiny on 2 ranks; layer 0 seeded, layer 1 from given weights; the reference outputs."""
+    cluster = EPCluster(CFG).start()
+    cluster.load_experts(seed=5)
+    cluster.load_experts(init_expert_weights(CFG, seed=6), layer=1)
+    xs, ids, ws = make_inputs(CFG, [7, 4], seed=8)
+    want = [cluster.forward(xs, ids, ws, layer=layer) for layer in (0, 1)]
+    cluster.inputs, cluster.want = (xs, ids, ws), want
+    yield cluster
+    cluster.shutdown(kill=True)
+
+
+def pid_of(ep: EPCluster, rank: int) -> int:
+    return ep.info()[rank]["pid"]
+
+
+def assert_serves_as_before(ep: EPCluster) -> None:
+    """Both layers give the outputs they gave before any fault (the experts were reloaded)."""
+    assert ep.health() == [True, True] and ep.failure is None
+    xs, ids, ws = ep.inputs
+    for layer in (0, 1):
+        got = ep.forward(xs, ids, ws, layer=layer)
+        assert all(torch.equal(a, b) for a, b in zip(got, ep.want[layer])), f"layer {layer} changed"
+
+
+def test_kill_between_calls_then_restart(ep):
+    xs, ids, ws = ep.inputs
+    restarts = ep.restarts
+    os.kill(pid_of(ep, 1), signal.SIGKILL)
+    with pytest.raises(EPWorkerError, match=r"rank 1 .*died|died.*rank 1") as info:
+        for _ in range(50):  # the kill lands within a call or two
+            ep.forward(xs, ids, ws)
+            time.sleep(0.1)
+    assert "restart()" in str(info.value)
+    assert ep.health() == [False, False] and "died" in ep.failure
+    with pytest.raises(EPStateError, match="unusable"):
+        ep.forward(xs, ids, ws)
+    ep.restart()
+    assert ep.restarts == restarts + 1
+    assert_serves_as_before(ep)
+
+
+def _die_mid_layer(worker, xs, ids, ws):
+    if worker.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # while rank 0 waits for it inside the layer
+    return worker.moe(xs[worker.rank], ids[worker.rank], ws[worker.rank]).shape
+
+
+def test_kill_mid_call_then_auto_restart(ep):
+    xs, ids, ws = ep.inputs
+    ep.auto_restart = True
+    try:
+        with pytest.raises(EPWorkerError, match="died during 'run'"):
+            ep.run(_die_mid_layer, xs, ids, ws)
+        restarts = ep.restarts
+        got = ep.forward(xs, ids, ws)  # rebuilt first, then served
+        assert ep.restarts == restarts + 1
+        assert all(torch.equal(a, b) for a, b in zip(got, ep.want[0]))
+    finally:
+        ep.auto_restart = False
+    assert_serves_as_before(ep)
+
+
+def test_stall_past_the_timeout_names_the_stalled_rank(ep):
+    """SIGSTOP rank 1 for longer than recv_timeout_s: rank 0's layer times out naming rank 1,
+    the group reports failed (no healthy-but-broken state), and a restart serves again."""
+    xs, ids, ws = ep.inputs
+    pid = pid_of(ep, 1)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(EPTimeoutError, match=r"rank\(s\) \[1\] stayed silent") as info:
+            ep.forward(xs, ids, ws)
+        assert f"recv_timeout_s = {RECV_TIMEOUT_S:g} s" in str(info.value)
+        assert ep.health() == [False, False]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    with pytest.raises(EPStateError, match="unusable since EPTimeoutError"):
+        ep.forward(xs, ids, ws)
+    ep.restart()
+    assert_serves_as_before(ep)
+
+
+def _slow_rank_1(worker, xs, ids, ws, delay_s):
+    if worker.rank == 1:
+        time.sleep(delay_s)
+    return worker.moe(xs[worker.rank], ids[worker.rank], ws[worker.rank]).shape
+
+
+def test_slow_peer_past_recv_timeout_raises_naming_it(ep):
+    """A peer 5 s late with a 2 s recv_timeout_s is not waited for: the error names it."""
+    xs, ids, ws = ep.inputs
+    with pytest.raises(EPTimeoutError, match=r"rank\(s\) \[1\] stayed silent: rank\(s\) \[0\] timed out"):
+        ep.run(_slow_rank_1, xs, ids, ws, 2.5 * RECV_TIMEOUT_S)
+    assert ep.health() == [False, False]
+    ep.restart()
+    assert_serves_as_before(ep)
+
+
+def test_slow_peer_within_recv_timeout_is_waited_for(ep):
+    xs, ids, ws = ep.inputs
+    assert ep.run(_slow_rank_1, xs, ids, ws, 0.25 * RECV_TIMEOUT_S) == [torch.Size([7, CFG.hidden_size]),
+                                                                        torch.Size([4, CFG.hidden_size])]
+    assert ep.health() == [True, True]
+
+
+def _rank_1_skips_the_layer(worker, xs, ids, ws):
+    if worker.rank == 1:
+        return None
+    return worker.moe(xs[worker.rank], ids[worker.rank], ws[worker.rank]).shape
+
+
+def test_silent_peer_on_the_torch_backend(ep):
+    """Rank 1 never joins the layer (it returned): rank 0 raises EPTimeoutError after
+    recv_timeout_s (not a raw gloo error after init_timeout_s) naming rank 1."""
+    xs, ids, ws = ep.inputs
+    with pytest.raises(EPTimeoutError) as info:
+        ep.run(_rank_1_skips_the_layer, xs, ids, ws)
+    msg = str(info.value)
+    assert "rank 0: dispatch" in msg and "rank 1 did not take part" in msg and "recv_timeout_s = 2 s" in msg
+    assert ep.health() == [False, False]
+    ep.restart()
+    assert_serves_as_before(ep)
+
+
+def test_restart_needs_a_started_cluster(ray_session):
+    with pytest.raises(EPStateError, match="not running"):
+        EPCluster(CFG).restart()
+
+
+# ---- a Ray address that does not answer --------------------------------------------------------
+def test_ray_init_is_bounded():
+    with pytest.raises(EPClusterError, match=r"no Ray cluster answers at 127.0.0.1:1 .*ray start --head"):
+        init_ray_bounded("127.0.0.1:1", 5.0)
+    with pytest.raises(EPClusterError, match="not HOST:PORT"):
+        init_ray_bounded("nowhere", 5.0)
+    with socket.socket() as srv:  # accepts connections, never speaks Ray's protocol
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        # in a process of its own: this one may hold the session's Ray
+        code = (f"from ray_ep.local_cluster import init_ray_bounded\n"
+                f"init_ray_bounded('127.0.0.1:{srv.getsockname()[1]}', 2.0)")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode != 0
+    assert "EPTimeoutError: ray.init(address='127.0.0.1:" in r.stderr
+    assert "did not connect within init_timeout_s = 2 s" in r.stderr
+
+
+def test_cli_check_with_an_unreachable_address_fails_at_once():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-m", "ray_ep", "check", "--address", "127.0.0.1:1"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("ray-ep check: EPClusterError: no Ray cluster answers at "
+                                                        "127.0.0.1:1")
