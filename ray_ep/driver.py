@@ -319,6 +319,11 @@ class EPCluster:
         return ok if group.alive else [False] * len(ok)
 
     @property
+    def alive(self) -> bool:
+        """Started, and the group has not failed (no remote call: see :meth:`health`)."""
+        return self._group is not None and self._group.alive
+
+    @property
     def failure(self) -> str | None:
         """Why the group failed and must be rebuilt (see :meth:`health`), else None."""
         return self._group.failure if self._group is not None else None
