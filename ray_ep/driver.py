@@ -367,7 +367,8 @@ class EPCluster:
         if not self._check_memory:
             return
         plan = plan_memory(cfg)
-        need = layers * plan.experts_per_layer + (plan.scratch if scratch else 0)
+        # CPU workers allocate the expert scratch by the rows that arrive (ExpertScratch), not at capacity
+        need = layers * plan.experts_per_layer + (plan.scratch if scratch and self._use_gpu_resolved else 0)
         need += plan.symmetric + plan.workspace if symmetric else 0
         on_gpu = self._use_gpu_resolved
         device_need = need if on_gpu else 0

@@ -239,8 +239,8 @@ class EPWorker:
             experts = LocalExperts(**{k: v.to(self.device, torch.bfloat16) for k, v in weights.items()})
         experts.check(cfg)
         g.experts[layer] = experts
-        if g.scratch is None:
-            g.scratch = ExpertScratch.allocate(cfg, self.device)
+        if g.scratch is None:  # CPU workers: by the rows that arrive (ExpertScratch)
+            g.scratch = ExpertScratch.allocate(cfg, self.device, rows=None if self.device.type == "cuda" else 0)
         return sum(t.numel() * t.element_size() for t in vars(experts).values())
 
     def _local_expert_ids(self, cfg: EPConfig) -> range:
