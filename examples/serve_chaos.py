@@ -131,7 +131,8 @@ def report(r: dict) -> str:
     rebuild = r["server_rebuild_s"]
     return (f"{r['requests']} requests at {r['concurrency']} in flight over {r['duration_s']:.1f} s; killed "
             f"{r['killed']} at {r['kill_at_s']:.1f} s ({r['in_flight_at_kill']} requests in flight)\n"
-            f"ok {r['ok']}, failed {r['failed']} {r['failed_statuses'] or ''}, retried by the client after a 503 "
+            f"ok {r['ok']}, failed {r['failed']}{' (statuses %s)' % r['failed_statuses'] if r['failed'] else ''}, "
+            f"retried by the client after a 503 "
             f"{r['client_retried']} ({r['client_retried_ok']} then ok), retried by the server on the rebuilt group "
             f"{r['server_retried']}\n"
             f"first success of a request sent after the kill: "

@@ -11,14 +11,20 @@ HTTP API (JSON)
     "top_logits": int = 5}`` -> ``{"output_ids": [int, ...], "top_logits": [{"ids": [...],
     "logits": [...]}, ... one per new token], "prompt_tokens": int, "latency_s": float}``.
     Greedy decoding; ``output_ids[0]`` is the next token of the prompt. A bad request (bad
-    JSON, empty, too long, ids out of the vocabulary, unknown fields) gets a 400 with
-    ``{"error": message}``; the server keeps serving.
+    JSON, JSON nested too deeply, empty, too long, ids out of the vocabulary, unknown fields)
+    gets a 400 with ``{"error": message}``; a body over ``max_body_bytes`` 413, one not
+    received within ``body_timeout_s`` 408; with a token configured, a request without it
+    401. More than ``max_requests_in_flight`` generate requests at once: 503 with
+    ``Retry-After: 1``. An unexpected error: 500 with ``{"error": "internal error",
+    "request_id": ...}`` (the traceback is in the replica's log under that id).
 
-    ``GET /health``: 200 while every worker answers, 503 once one died (the EP group cannot
-    be patched: restart the server).
+    ``GET /health``: 200 while every worker answers and the EP group has not failed; 503 with
+    ``Retry-After`` and ``"status": "recovering"`` while a failed group is being rebuilt
+    (``"failed"`` once max_recovery_attempts rebuilds failed in a row; Serve then replaces
+    the replica, see :meth:`MoEServer.check_health`).
 
     ``GET /stats``: tokens/s, request latency percentiles, per-phase time of the workers
-    (dense, dispatch, experts, combine) and tokens per expert.
+    (dense, dispatch, experts, combine), tokens per expert, requests retried, rebuilds.
 
 Started by ``ray-ep serve`` or ``python examples/serve_moe.py`` (the same flags: see
 :func:`add_arguments`); ``ray.serve`` is imported only when a server is built, so ray_ep
@@ -547,7 +553,11 @@ class MoEServer:
                                    f"{self.options.recovery_timeout_s:g} s")
             return
         generation = self._generation
-        if not self.cluster.alive or not all(await asyncio.to_thread(self.cluster.health)):
+        try:
+            ok = self.cluster.alive and all(await asyncio.to_thread(self.cluster.health))
+        except Exception:  # noqa: BLE001 - a rebuild that started meanwhile took the group away
+            ok = False
+        if not ok:
             self._start_recovery(generation)
 
     # -- HTTP --
