@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 # bf16 expert activations.
 TOLERANCE = {"bf16": 3e-2, "fp32": 1e-2}
 OUT_DTYPES = ("bf16", "fp32")  # output dtypes of combine() and forward()
+RESTART_WAIT_S = 15.0  # restart(): longest wait for the killed workers' processes to be gone
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,9 @@ class EPCluster:
         failure = self.failure
         t0 = time.perf_counter()
         if self._group is not None:
-            self._group.shutdown()  # kills: no collective on a group that may be out of step
+            # kills (no collective on a group that may be out of step) and waits for the processes
+            # to go: the new workers need their GPU memory
+            self._group.shutdown(wait_s=RESTART_WAIT_S)
             self._group = None
         self._phase = None
         self._layers_loaded.clear()

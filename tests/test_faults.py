@@ -117,7 +117,8 @@ def test_stall_past_the_timeout_names_the_stalled_rank(ep):
         assert ep.health() == [False, False]
     finally:
         os.kill(pid, signal.SIGCONT)
-    with pytest.raises(EPStateError, match="unusable since EPTimeoutError"):
+    assert ep.failure == "rank(s) [1] stayed silent during 'forward' (rank(s) [0] timed out waiting for them)"
+    with pytest.raises(EPStateError, match=r"unusable since rank\(s\) \[1\] stayed silent"):
         ep.forward(xs, ids, ws)
     ep.restart()
     assert_serves_as_before(ep)
@@ -189,10 +190,11 @@ def test_ray_init_is_bounded():
     assert "did not connect within init_timeout_s = 2 s" in r.stderr
 
 
-def test_cli_check_with_an_unreachable_address_fails_at_once():
+@pytest.mark.parametrize("command", [["check"], ["serve", "--port", "0"]])
+def test_cli_with_an_unreachable_address_fails_at_once(command):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "ray_ep", "check", "--address", "127.0.0.1:1"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "ray_ep", *command, "--address", "127.0.0.1:1"], capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 1, r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("ray-ep check: EPClusterError: no Ray cluster answers at "
-                                                        "127.0.0.1:1")
+    assert r.stderr.strip().splitlines()[-1].startswith(f"ray-ep {command[0]}: ")
+    assert "EPClusterError: no Ray cluster answers at 127.0.0.1:1" in r.stderr

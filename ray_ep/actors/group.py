@@ -717,7 +717,11 @@ class EPWorkerGroup:
             if _breaks_the_group(cause):
                 # a peer stayed silent or a collective broke: the ranks are out of step (epochs,
                 # process group), so no later call can succeed; say so instead of looking healthy
-                self._fail(f"{type(cause).__name__} during {what} on rank {rank}")
+                if isinstance(cause, EPTimeoutError) and pending:
+                    self._fail(f"rank(s) {pending} stayed silent during {what} (rank(s) "
+                               f"{sorted(task_errors)} timed out waiting for them)")
+                else:
+                    self._fail(f"{type(cause).__name__} during {what} on rank {rank}")
                 if isinstance(cause, EPTimeoutError) and pending:
                     # the ranks still running when their peers gave up are the silent ones (a
                     # stalled process, a rank slow in earlier work, a peer in another call)
@@ -799,15 +803,17 @@ class EPWorkerGroup:
             self._fail(f"rank(s) {sorted(dead)} found dead by health()")
         return ok
 
-    def shutdown(self) -> None:
-        """Kill every actor and remove the placement group. Idempotent."""
+    def shutdown(self, wait_s: float = 0.0) -> None:
+        """Kill every actor and remove the placement group. Idempotent. ``wait_s``: wait up to
+        that long until Ray reports every actor dead (its process gone, so its GPU memory and
+        ports are free again: a group rebuilt at once on the same GPUs needs them)."""
         if self._state in (_State.NEW, _State.SHUTDOWN):
             return  # start() cleans up after itself when it fails
-        self._teardown()
+        self._teardown(wait_s)
         self._state = _State.SHUTDOWN
         logger.info("shut down %s", self)
 
-    def _teardown(self) -> None:
+    def _teardown(self, wait_s: float = 0.0) -> None:
         actors, pg = self._actors, self._pg
         self._actors, self._contexts, self._pg = [], [], None
         if not ray.is_initialized():  # Ray is gone, and with it every actor and group
@@ -817,6 +823,12 @@ class EPWorkerGroup:
                 ray.kill(h, no_restart=True)
             except Exception as e:  # already dead
                 logger.debug("ray.kill: %s", e)
+        if wait_s > 0 and actors:
+            # a ping to a killed actor fails once Ray knows its process is gone
+            pings = [h._ep_ping.remote() for h in actors]
+            _, alive = ray.wait(pings, num_returns=len(pings), timeout=wait_s)
+            if alive:
+                logger.warning("%d killed worker(s) not reported dead within %g s", len(alive), wait_s)
         if pg is not None:
             try:
                 remove_placement_group(pg)

@@ -52,7 +52,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from ..errors import EPError, EPInputError
-from ..local_cluster import plain_console, start_local_ray
+from ..local_cluster import init_ray_bounded, plain_console, start_local_ray
 from .model import (EPModel, MoEModelConfig, check_checkpoint, init_model_weights, load_checkpoint,
                     read_checkpoint_config)
 
@@ -962,12 +962,11 @@ def _command_started() -> tuple[float, str]:
 _IMPORTED = time.perf_counter()
 
 
-def _init_ray(address: str | None, num_cpus: int, level: int) -> bool:
-    """Connect to ``address`` or start a local Ray; True when it started one (ours to stop)."""
-    import ray
-
+def _init_ray(address: str | None, num_cpus: int, level: int, timeout_s: float) -> bool:
+    """Connect to ``address`` (within ``timeout_s``: init_timeout_s) or start a local Ray;
+    True when it started one (ours to stop)."""
     if address:
-        ray.init(address=address, logging_level=level)
+        init_ray_bounded(address, timeout_s, logging_level=level)
         return False
     start_local_ray(num_cpus, logging_level=level)
     return True
@@ -1011,7 +1010,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     t_ray = time.perf_counter()
     if not ray.is_initialized():
         address = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")
-        owns_ray = _init_ray(address, max(os.cpu_count() or 1, options.workers + 1), level)
+        try:
+            owns_ray = _init_ray(address, max(os.cpu_count() or 1, options.workers + 1), level,
+                                 options.ep_config().init_timeout_s)
+        except Exception as e:  # noqa: BLE001 - an address that does not answer: one line
+            print(f"ray-ep serve: could not start: {type(e).__name__}: {e}", file=sys.stderr)
+            return EXIT_START_FAILED
     t_ray = time.perf_counter() - t_ray
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if getattr(args, "workers", None) is None and gpus and not getattr(args, "cpu", False) \

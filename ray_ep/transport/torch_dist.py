@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import FP8_GROUP, EPConfig
-from ..errors import EPInputError, EPTimeoutError, EPWorkerError
+from ..errors import EPInputError, EPStateError, EPTimeoutError, EPWorkerError
 from ..fp8 import quantize_fp8_torch
 from ..kernels.combine import combine_partials_torch, combine_sum_torch
 from ..kernels.dispatch import expert_major_torch, pack_meta_torch
@@ -82,8 +82,12 @@ class TorchTransport(Transport):
                                     timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
                                     **({"device_id": device} if device.type == "cuda" else {}))
             # every later collective of the group (gloo and NCCL honour it) waits recv_timeout_s
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=cfg.recv_timeout_s),
-                                                  dist.group.WORLD)
+            # (a private torch function, there since torch 2.2: checked, not assumed)
+            set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+            if set_timeout is None:
+                raise EPStateError(f"torch {torch.__version__} has no torch.distributed.distributed_c10d."
+                                   f"_set_pg_timeout: recv_timeout_s cannot bound the torch backend; use torch >= 2.2")
+            set_timeout(datetime.timedelta(seconds=cfg.recv_timeout_s), dist.group.WORLD)
         self.group = dist.group.WORLD
         # Triton layout kernel on GPUs (fast), its torch twin on CPUs (no interpreter cost)
         self._layout = compute_layout if device.type == "cuda" else compute_layout_torch
