@@ -1,10 +1,13 @@
-"""Faults on CPU workers (torch backend over gloo): a worker killed between calls and mid-call,
-a worker stalled (SIGSTOP) past recv_timeout_s, a slow and a silent peer; then
-EPCluster.restart() and auto_restart rebuild the group with the same experts; and a Ray
-address that does not answer fails within init_timeout_s.
+"""Faults: a worker killed between calls and mid-call, a worker stalled (SIGSTOP) past
+recv_timeout_s, a slow and a silent peer; then EPCluster.restart() and auto_restart rebuild
+the group with the same experts; and a Ray address that does not answer fails within
+init_timeout_s.
 
-One 2-rank cluster (recv_timeout_s = 2 s) serves every test; each test leaves it rebuilt.
-No test asserts a speed; the waits are bounded by the timeouts they test.
+One 2-rank cluster (recv_timeout_s = 2 s) serves every test and each test leaves it rebuilt:
+CPU workers (torch backend over gloo) everywhere, and on a host with 2 GPUs also the nvshmem
+backend and the NCCL baseline (whose waits are bounded by NCCL's watchdog at init_timeout_s,
+so its timing tests skip). No test asserts a speed; the waits are bounded by the timeouts
+they test.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from ray_ep.weights import init_expert_weights
 REPO = Path(__file__).resolve().parents[1]
 RECV_TIMEOUT_S = 2.0
 CFG = EPConfig.preset("tiny", gpus_per_node=2, recv_timeout_s=RECV_TIMEOUT_S, call_timeout_s=120.0)
+# CPU workers (gloo) everywhere; on 2 GPUs the nvshmem backend and the NCCL baseline too
+KINDS = ["cpu", pytest.param("nvshmem", marks=pytest.mark.multi_gpu(2)),
+         pytest.param("nccl", marks=pytest.mark.multi_gpu(2))]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,10 +46,16 @@ def _ship_this_module():
     ray.cloudpickle.unregister_pickle_by_value(module)
 
 
-@pytest.fixture(scope="module")
-def ep(ray_session):
+@pytest.fixture(scope="module", params=KINDS)
+def ep(request, ray_session):
     """tiny on 2 ranks; layer 0 seeded, layer 1 from given weights; the reference outputs."""
-    cluster = EPCluster(CFG).start()
+    kind = request.param
+    if kind == "cpu":
+        cluster = EPCluster(CFG, use_gpu=False).start()
+    else:
+        cfg = CFG.model_copy(update={"backend": "nvshmem" if kind == "nvshmem" else "torch"})
+        cluster = EPCluster(cfg, use_gpu=True).start()
+    cluster.kind = kind
     cluster.load_experts(seed=5)
     cluster.load_experts(init_expert_weights(CFG, seed=6), layer=1)
     xs, ids, ws = make_inputs(CFG, [7, 4], seed=8)
@@ -51,6 +63,13 @@ def ep(ray_session):
     cluster.inputs, cluster.want = (xs, ids, ws), want
     yield cluster
     cluster.shutdown(kill=True)
+
+
+def bounded_by_recv_timeout(ep: EPCluster) -> None:
+    """Only the nvshmem kernels and gloo bound a wait by recv_timeout_s; NCCL's watchdog keeps
+    init_timeout_s (ray_ep/transport/torch_dist.py)."""
+    if ep.kind == "nccl":
+        pytest.skip("NCCL waits are bounded by its watchdog at init_timeout_s, not recv_timeout_s")
 
 
 def pid_of(ep: EPCluster, rank: int) -> int:
@@ -107,13 +126,15 @@ def test_kill_mid_call_then_auto_restart(ep):
 def test_stall_past_the_timeout_names_the_stalled_rank(ep):
     """SIGSTOP rank 1 for longer than recv_timeout_s: rank 0's layer times out naming rank 1,
     the group reports failed (no healthy-but-broken state), and a restart serves again."""
+    bounded_by_recv_timeout(ep)
     xs, ids, ws = ep.inputs
     pid = pid_of(ep, 1)
     os.kill(pid, signal.SIGSTOP)
     try:
         with pytest.raises(EPTimeoutError, match=r"rank\(s\) \[1\] stayed silent") as info:
             ep.forward(xs, ids, ws)
-        assert f"recv_timeout_s = {RECV_TIMEOUT_S:g} s" in str(info.value)
+        if ep.kind == "cpu":
+            assert f"recv_timeout_s = {RECV_TIMEOUT_S:g} s" in str(info.value)
         assert ep.health() == [False, False]
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -132,6 +153,7 @@ def _slow_rank_1(worker, xs, ids, ws, delay_s):
 
 def test_slow_peer_past_recv_timeout_raises_naming_it(ep):
     """A peer 5 s late with a 2 s recv_timeout_s is not waited for: the error names it."""
+    bounded_by_recv_timeout(ep)
     xs, ids, ws = ep.inputs
     with pytest.raises(EPTimeoutError, match=r"rank\(s\) \[1\] stayed silent: rank\(s\) \[0\] timed out"):
         ep.run(_slow_rank_1, xs, ids, ws, 2.5 * RECV_TIMEOUT_S)
@@ -141,6 +163,7 @@ def test_slow_peer_past_recv_timeout_raises_naming_it(ep):
 
 
 def test_slow_peer_within_recv_timeout_is_waited_for(ep):
+    bounded_by_recv_timeout(ep)
     xs, ids, ws = ep.inputs
     assert ep.run(_slow_rank_1, xs, ids, ws, 0.25 * RECV_TIMEOUT_S) == [torch.Size([7, CFG.hidden_size]),
                                                                         torch.Size([4, CFG.hidden_size])]
@@ -156,11 +179,15 @@ def _rank_1_skips_the_layer(worker, xs, ids, ws):
 def test_silent_peer_on_the_torch_backend(ep):
     """Rank 1 never joins the layer (it returned): rank 0 raises EPTimeoutError after
     recv_timeout_s (not a raw gloo error after init_timeout_s) naming rank 1."""
+    bounded_by_recv_timeout(ep)
     xs, ids, ws = ep.inputs
     with pytest.raises(EPTimeoutError) as info:
         ep.run(_rank_1_skips_the_layer, xs, ids, ws)
     msg = str(info.value)
-    assert "rank 0: dispatch" in msg and "rank 1 did not take part" in msg and "recv_timeout_s = 2 s" in msg
+    if ep.kind == "cpu":
+        assert "rank 0: dispatch" in msg and "rank 1 did not take part" in msg and "recv_timeout_s = 2 s" in msg
+    else:  # the receive kernel's status names the source that never signalled
+        assert "dispatch: rank(s) [1] stayed silent: rank 0 timed out" in msg
     assert ep.health() == [False, False]
     ep.restart()
     assert_serves_as_before(ep)

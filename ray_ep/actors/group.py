@@ -703,9 +703,12 @@ class EPWorkerGroup:
                 f"{self._label(r)}: {_cause_text(deaths[r])}" for r in sorted(deaths)
             )
             self._fail(f"rank(s) {sorted(deaths)} died during {what}")
+            # ranks still running may be the cause (NCCL's watchdog ends a rank that waited
+            # on a silent one)
+            running = f"; rank(s) {pending} were still running" if pending else ""
             raise EPWorkerError(
-                f"{len(deaths)} rank(s) died during {what} - {detail}. The group is unusable "
-                f"and must be rebuilt (EPCluster.restart(), or shutdown() then start())"
+                f"{len(deaths)} rank(s) died during {what} - {detail}{running}. The group is "
+                f"unusable and must be rebuilt (EPCluster.restart(), or shutdown() then start())"
             ) from deaths[min(deaths)]
         if task_errors:
             rank = min(task_errors)

@@ -7,12 +7,17 @@ then partial sums per (token, rank), all_to_all_single back, sum per token.
 
 Rows travel as raw bytes (gloo has no bf16/fp8 reductions to offer and needs none).
 
-Bounded waits: once the group is up, its collectives get ``recv_timeout_s`` (the rendezvous
-keeps ``init_timeout_s``). A collective that a peer does not join in time raises
+Bounded waits (gloo): once the group is up, its collectives get ``recv_timeout_s`` (the
+rendezvous keeps ``init_timeout_s``). A collective that a peer does not join in time raises
 :class:`~ray_ep.errors.EPTimeoutError` (gloo's own error names no rank); one that breaks
 because a peer gave up or died raises :class:`~ray_ep.errors.EPWorkerError`. Either way the
 process group is closed (gloo: "Application timeout caused pair closure") and the group must
 be rebuilt; the driver names the ranks that stayed silent (those still running).
+
+On NCCL (the GPU baseline) the group keeps ``init_timeout_s``: NCCL collectives return to
+the host at once and a timeout is handled by NCCL's watchdog, which tears the waiting
+worker's process down (the driver then reports a dead rank); a shorter limit there would
+also cut the first, compiling rounds of a cold Triton cache on a slow rank.
 """
 
 from __future__ import annotations
@@ -81,13 +86,15 @@ class TorchTransport(Transport):
                                     world_size=cfg.world_size,
                                     timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
                                     **({"device_id": device} if device.type == "cuda" else {}))
-            # every later collective of the group (gloo and NCCL honour it) waits recv_timeout_s
-            # (a private torch function, there since torch 2.2: checked, not assumed)
-            set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-            if set_timeout is None:
-                raise EPStateError(f"torch {torch.__version__} has no torch.distributed.distributed_c10d."
-                                   f"_set_pg_timeout: recv_timeout_s cannot bound the torch backend; use torch >= 2.2")
-            set_timeout(datetime.timedelta(seconds=cfg.recv_timeout_s), dist.group.WORLD)
+            if backend == "gloo":
+                # every later collective of the group waits recv_timeout_s (module docstring);
+                # a private torch function, there since torch 2.2: checked, not assumed
+                set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+                if set_timeout is None:
+                    raise EPStateError(f"torch {torch.__version__} has no torch.distributed.distributed_c10d."
+                                       f"_set_pg_timeout: recv_timeout_s cannot bound the gloo backend; use "
+                                       f"torch >= 2.2")
+                set_timeout(datetime.timedelta(seconds=cfg.recv_timeout_s), dist.group.WORLD)
         self.group = dist.group.WORLD
         # Triton layout kernel on GPUs (fast), its torch twin on CPUs (no interpreter cost)
         self._layout = compute_layout if device.type == "cuda" else compute_layout_torch
