@@ -5,7 +5,8 @@
 
 Starts Ray, Serve and the server (the flags of `ray-ep serve` apply: --workers, --cpu, model
 sizes...), keeps ``--concurrency`` generate requests in flight, SIGKILLs the worker process
-of rank ``--kill-rank`` ``--kill-at`` seconds in (the workers must run on this host), stops
+of rank ``--kill-rank`` ``--kill-at`` seconds in (the workers must run on this host; ``--signal
+STOP`` stalls it instead, for ``--stop-for`` seconds: it is found after recv_timeout_s), stops
 sending at ``--duration`` s and prints: requests ok / retried / failed, the time from the kill
 to the first success of a request sent after it, the server's own rebuild time, and latency
 percentiles. A client that gets 503 waits the answer's Retry-After and tries again, at most
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--concurrency", type=int, default=64, help="requests in flight (default 64)")
     c.add_argument("--kill-at", type=float, default=5.0, help="seconds into the run to SIGKILL a worker (default 5)")
     c.add_argument("--kill-rank", type=int, default=1, help="rank whose worker is killed (default 1)")
+    c.add_argument("--signal", choices=["KILL", "STOP"], default="KILL",
+                   help="KILL (default), or STOP: stall the worker (SIGSTOP), SIGCONT after --stop-for seconds")
+    c.add_argument("--stop-for", type=float, default=25.0, help="with --signal STOP: seconds stopped (default 25)")
     c.add_argument("--duration", type=float, default=30.0, help="seconds of load (default 30)")
     c.add_argument("--new-tokens", type=int, default=4, help="tokens generated per request (default 4)")
     c.add_argument("--client-retries", type=int, default=1, help="retries after a 503 (default 1)")
@@ -187,8 +191,20 @@ def main(argv: list[str] | None = None) -> int:
         victim = pids[args.kill_rank]
 
         def kill() -> str:
-            os.kill(victim["pid"], signal.SIGKILL)
-            return f"rank {args.kill_rank} (pid {victim['pid']})"
+            pid = victim["pid"]
+            if args.signal == "KILL":
+                os.kill(pid, signal.SIGKILL)
+                return f"rank {args.kill_rank} (pid {pid}, SIGKILL)"
+            os.kill(pid, signal.SIGSTOP)
+
+            def resume() -> None:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:  # the rebuild killed it
+                    pass
+
+            threading.Timer(args.stop_for, resume).start()
+            return f"rank {args.kill_rank} (pid {pid}, SIGSTOP for {args.stop_for:g} s)"
 
         requests.post(url + "/v1/generate", json={"prompt_ids": [1, 2, 3]}, timeout=300)  # warm
         result = run_chaos(url, kill, concurrency=args.concurrency, kill_at_s=args.kill_at, duration_s=args.duration,

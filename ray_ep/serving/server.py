@@ -687,7 +687,8 @@ class MoEServer:
                 break
             except EPInputError as e:  # refused by the model's own checks
                 self.stats.request(400)
-                return JSONResponse({"error": str(e)}, status_code=400)
+                cause = getattr(e, "cause", None)  # raised in a worker: its own message, not Ray's traceback
+                return JSONResponse({"error": str(cause if isinstance(cause, EPInputError) else e)}, status_code=400)
             except Exception:  # noqa: BLE001
                 if self.cluster.alive:  # not a failure of the group: a bug, logged with its id
                     return self._internal_error(request, "internal error")
