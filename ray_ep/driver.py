@@ -338,7 +338,8 @@ class EPCluster:
     def load_experts(self, weights: ExpertWeights | None = None, seed: int = 0, layer: int = 0) -> None:
         """Experts of MoE layer ``layer``: seeded random (each worker builds its own slice), or
         the given world weights (sharded here: rank r gets routed experts [r * L, (r + 1) * L)
-        and every shared expert)."""
+        and every shared expert). The cluster keeps the seed, or a reference to ``weights``,
+        for :meth:`restart`."""
         g = self._need_group()
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise EPInputError(f"layer must be an int >= 0 (negative slots are ray_ep's own), got {layer!r}")

@@ -13,6 +13,7 @@ they test.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,9 +33,12 @@ from ray_ep.weights import init_expert_weights
 REPO = Path(__file__).resolve().parents[1]
 RECV_TIMEOUT_S = 2.0
 CFG = EPConfig.preset("tiny", gpus_per_node=2, recv_timeout_s=RECV_TIMEOUT_S, call_timeout_s=120.0)
-# CPU workers (gloo) everywhere; on 2 GPUs the nvshmem backend and the NCCL baseline too
+# CPU workers (gloo) everywhere; on 2 GPUs the nvshmem backend and the NCCL baseline too, on 4
+# GPUs the nvshmem backend over 4 ranks
 KINDS = ["cpu", pytest.param("nvshmem", marks=pytest.mark.multi_gpu(2)),
-         pytest.param("nccl", marks=pytest.mark.multi_gpu(2))]
+         pytest.param("nccl", marks=pytest.mark.multi_gpu(2)),
+         pytest.param("nvshmem-4", marks=pytest.mark.multi_gpu(4))]
+TOKENS = [7, 4, 5, 3]  # per rank (the first R)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,12 +57,14 @@ def ep(request, ray_session):
     if kind == "cpu":
         cluster = EPCluster(CFG, use_gpu=False).start()
     else:
-        cfg = CFG.model_copy(update={"backend": "nvshmem" if kind == "nvshmem" else "torch"})
+        cfg = CFG.model_copy(update={"backend": "torch" if kind == "nccl" else "nvshmem",
+                                     "gpus_per_node": 4 if kind == "nvshmem-4" else 2})
         cluster = EPCluster(cfg, use_gpu=True).start()
     cluster.kind = kind
+    cfg = cluster.config
     cluster.load_experts(seed=5)
-    cluster.load_experts(init_expert_weights(CFG, seed=6), layer=1)
-    xs, ids, ws = make_inputs(CFG, [7, 4], seed=8)
+    cluster.load_experts(init_expert_weights(cfg, seed=6), layer=1)
+    xs, ids, ws = make_inputs(cfg, TOKENS[:cfg.world_size], seed=8)
     want = [cluster.forward(xs, ids, ws, layer=layer) for layer in (0, 1)]
     cluster.inputs, cluster.want = (xs, ids, ws), want
     yield cluster
@@ -78,7 +84,7 @@ def pid_of(ep: EPCluster, rank: int) -> int:
 
 def assert_serves_as_before(ep: EPCluster) -> None:
     """Both layers give the outputs they gave before any fault (the experts were reloaded)."""
-    assert ep.health() == [True, True] and ep.failure is None
+    assert ep.health() == [True] * ep.world_size and ep.failure is None
     xs, ids, ws = ep.inputs
     for layer in (0, 1):
         got = ep.forward(xs, ids, ws, layer=layer)
@@ -94,7 +100,7 @@ def test_kill_between_calls_then_restart(ep):
             ep.forward(xs, ids, ws)
             time.sleep(0.1)
     assert "restart()" in str(info.value)
-    assert ep.health() == [False, False] and "died" in ep.failure
+    assert ep.health() == [False] * ep.world_size and "died" in ep.failure
     with pytest.raises(EPStateError, match="unusable"):
         ep.forward(xs, ids, ws)
     ep.restart()
@@ -135,10 +141,11 @@ def test_stall_past_the_timeout_names_the_stalled_rank(ep):
             ep.forward(xs, ids, ws)
         if ep.kind == "cpu":
             assert f"recv_timeout_s = {RECV_TIMEOUT_S:g} s" in str(info.value)
-        assert ep.health() == [False, False]
+        assert ep.health() == [False] * ep.world_size
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert ep.failure == "rank(s) [1] stayed silent during 'forward' (rank(s) [0] timed out waiting for them)"
+    others = [r for r in range(ep.world_size) if r != 1]
+    assert ep.failure == f"rank(s) [1] stayed silent during 'forward' (rank(s) {others} timed out waiting for them)"
     with pytest.raises(EPStateError, match=r"unusable since rank\(s\) \[1\] stayed silent"):
         ep.forward(xs, ids, ws)
     ep.restart()
@@ -155,9 +162,10 @@ def test_slow_peer_past_recv_timeout_raises_naming_it(ep):
     """A peer 5 s late with a 2 s recv_timeout_s is not waited for: the error names it."""
     bounded_by_recv_timeout(ep)
     xs, ids, ws = ep.inputs
-    with pytest.raises(EPTimeoutError, match=r"rank\(s\) \[1\] stayed silent: rank\(s\) \[0\] timed out"):
+    others = re.escape(str([r for r in range(ep.world_size) if r != 1]))
+    with pytest.raises(EPTimeoutError, match=rf"rank\(s\) \[1\] stayed silent: rank\(s\) {others} timed out"):
         ep.run(_slow_rank_1, xs, ids, ws, 2.5 * RECV_TIMEOUT_S)
-    assert ep.health() == [False, False]
+    assert ep.health() == [False] * ep.world_size
     ep.restart()
     assert_serves_as_before(ep)
 
@@ -165,9 +173,9 @@ def test_slow_peer_past_recv_timeout_raises_naming_it(ep):
 def test_slow_peer_within_recv_timeout_is_waited_for(ep):
     bounded_by_recv_timeout(ep)
     xs, ids, ws = ep.inputs
-    assert ep.run(_slow_rank_1, xs, ids, ws, 0.25 * RECV_TIMEOUT_S) == [torch.Size([7, CFG.hidden_size]),
-                                                                        torch.Size([4, CFG.hidden_size])]
-    assert ep.health() == [True, True]
+    want = [torch.Size([n, CFG.hidden_size]) for n in TOKENS[:ep.world_size]]
+    assert ep.run(_slow_rank_1, xs, ids, ws, 0.25 * RECV_TIMEOUT_S) == want
+    assert ep.health() == [True] * ep.world_size
 
 
 def _rank_1_skips_the_layer(worker, xs, ids, ws):
@@ -188,7 +196,7 @@ def test_silent_peer_on_the_torch_backend(ep):
         assert "rank 0: dispatch" in msg and "rank 1 did not take part" in msg and "recv_timeout_s = 2 s" in msg
     else:  # the receive kernel's status names the source that never signalled
         assert "dispatch: rank(s) [1] stayed silent: rank 0 timed out" in msg
-    assert ep.health() == [False, False]
+    assert ep.health() == [False] * ep.world_size
     ep.restart()
     assert_serves_as_before(ep)
 

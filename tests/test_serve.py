@@ -340,8 +340,8 @@ def server(serve_port):
 
 def post(url: str, body, timeout: float = 60, headers: dict | None = None):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return requests.post(url + "/v1/generate", data=data, headers={"Content-Type": "application/json", **(headers or {})},
-                         timeout=timeout)
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    return requests.post(url + "/v1/generate", data=data, headers=headers, timeout=timeout)
 
 
 def test_health_and_info(server):
@@ -549,7 +549,8 @@ def test_checkpoint_server_and_its_token(ckpt_server):
     assert requests.get(url + "/stats", timeout=30).json()["profiling"] is False
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
         r = post(url, {"prompt_ids": [1]}, headers=headers)
-        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer" and "bearer token" in r.json()["error"]
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+        assert "bearer token" in r.json()["error"]
     assert requests.get(url + "/health", timeout=30).status_code == 200  # /health and /stats need no token
 
 
@@ -593,10 +594,10 @@ class HealthWatch:
 SERVES_AGAIN_S = 15.0
 
 
-def _assert_recovered(url: str, weights, result: dict, restarts: int) -> None:
+def _assert_recovered(url: str, weights, result: dict, restarts: int, bound_s: float = SERVES_AGAIN_S) -> None:
     assert result["failed"] == 0, result  # one client retry on 503: nothing lost
     assert result["first_success_after_kill_s"] is not None, result
-    assert result["first_success_after_kill_s"] <= SERVES_AGAIN_S, result
+    assert result["first_success_after_kill_s"] <= bound_s, result
     health = requests.get(url + "/health", timeout=30)
     assert health.status_code == 200 and health.json()["restarts"] == restarts, health.text
     r = post(url, {"prompt_ids": PROMPTS[2], "max_new_tokens": 3}, headers=AUTH)  # the same model after the rebuild
@@ -641,7 +642,26 @@ def test_a_stalled_worker_is_replaced(ckpt_server):
         except ProcessLookupError:
             pass
     print(chaos.report(result))
-    _assert_recovered(url, weights, result, restarts + 1)
+    # found after recv_timeout_s (3 s), then the same bound as a kill
+    _assert_recovered(url, weights, result, restarts + 1, bound_s=3.0 + SERVES_AGAIN_S)
+
+
+def test_a_worker_killed_between_requests_costs_no_request(ckpt_server):
+    """An idle server whose worker dies: the next request's step fails, the server rebuilds
+    and runs it again; the client sees one slow 200."""
+    url, weights, handle = ckpt_server
+    victim = handle.worker_pids.remote().result()[0]["pid"]
+    restarts = handle.info.remote().result()["restarts"]
+    retried = requests.get(url + "/stats", timeout=30).json()["requests"]["retried"]
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(1.0)  # dead before the request arrives
+    r = post(url, {"prompt_ids": PROMPTS[3], "max_new_tokens": 2}, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    Oracle(weights, world_size=WORKERS, combine_dtype="fp32").check(PROMPTS[3], r.json()["output_ids"],
+                                                                    r.json()["top_logits"])
+    stats = requests.get(url + "/stats", timeout=30).json()
+    # retried once, or not at all if Serve's health check (every 10 s) found the dead worker first
+    assert stats["restarts"] == restarts + 1 and stats["requests"]["retried"] - retried in (0, 1)
 
 
 def test_check_health_raises_once_the_replica_cannot_recover():

@@ -443,6 +443,7 @@ class MoEServer:
         self._generation = 0  # rebuilds done; a failure seen at generation g needs a rebuild only once
         self._recovery: asyncio.Task | None = None
         self._recovery_started = 0.0
+        self._recovery_reason: str | None = None
         self._recovery_failures = 0  # in a row
         self._recovery_error: str | None = None
         self._last_recovery_s: float | None = None
@@ -476,27 +477,29 @@ class MoEServer:
             expected -= time.monotonic() - self._recovery_started
         return max(1, math.ceil(expected))
 
-    def _start_recovery(self, generation: int) -> None:
+    def _start_recovery(self, generation: int, reason: str) -> None:
         """Rebuild the group unless a rebuild since ``generation`` ran, one runs, or the
         replica gave up."""
         if generation != self._generation or self.recovering or self.gave_up:
             return
         self._recovery_started = time.monotonic()
-        self._recovery = asyncio.get_running_loop().create_task(self._recover())
+        self._recovery_reason = reason
+        self._recovery = asyncio.get_running_loop().create_task(self._recover(reason))
 
-    async def _recover(self) -> bool:
-        failure = self.cluster.failure or "the EP group is not running"
-        log.warning("ray_ep.serving.server: the EP group failed (%s); rebuilding it", failure)
-        t0 = time.perf_counter()
+    async def _recover(self, reason: str) -> bool:
+        log.warning("ray_ep.serving.server: %s; rebuilding the EP group", reason)
         try:
-            await asyncio.to_thread(self._rebuild)
+            took = await asyncio.to_thread(self._rebuild)
         except Exception as e:  # noqa: BLE001 - reported by /health and check_health
             self._recovery_failures += 1
             self._recovery_error = _cause_line(e)
             log.exception("ray_ep.serving.server: rebuilding the EP group failed (%d of %d attempts)",
                           self._recovery_failures, self.options.max_recovery_attempts)
             return False
-        self._last_recovery_s = time.perf_counter() - t0
+        if took is None:
+            log.warning("ray_ep.serving.server: the EP group answers again and has not failed: no rebuild")
+            return True
+        self._last_recovery_s = took
         self._generation += 1
         self._recovery_failures = 0
         self._recovery_error = None
@@ -504,12 +507,19 @@ class MoEServer:
         log.warning("ray_ep.serving.server: EP group rebuilt in %.1f s; serving again", self._last_recovery_s)
         return True
 
-    def _rebuild(self) -> None:
+    def _rebuild(self) -> float | None:
+        """Restart the group and return the seconds it took, or None when the group turned
+        out fine: a rank that missed a health ping (a stall) is only rebuilt once the step it
+        holds up has ended (its peers' recv_timeout_s bounds that), and it may be back by then."""
         with self._lock:  # no step runs meanwhile
+            if self.cluster.alive and all(self.cluster.health()):
+                return None
+            t0 = time.perf_counter()
             self.cluster.restart()  # new workers, new rendezvous, the experts reloaded
             self.model.install_dense()
             if self.options.profile:
                 self.model.set_profiling(True)
+            return time.perf_counter() - t0
 
     async def _wait_for_recovery(self, deadline: float) -> bool:
         """Wait (until ``deadline``, monotonic) for a running rebuild; True when the group serves."""
@@ -553,12 +563,15 @@ class MoEServer:
                                    f"{self.options.recovery_timeout_s:g} s")
             return
         generation = self._generation
+        if not self.cluster.alive:  # failed, or a rebuild failed half-way
+            self._start_recovery(generation, _why_unhealthy(self.cluster, [], "Serve's health check"))
+            return
         try:
-            ok = self.cluster.alive and all(await asyncio.to_thread(self.cluster.health))
+            ok = await asyncio.to_thread(self.cluster.health)
         except Exception:  # noqa: BLE001 - a rebuild that started meanwhile took the group away
-            ok = False
-        if not ok:
-            self._start_recovery(generation)
+            return
+        if not all(ok):
+            self._start_recovery(generation, _why_unhealthy(self.cluster, ok, "Serve's health check"))
 
     # -- HTTP --
     async def __call__(self, request):
@@ -678,7 +691,7 @@ class MoEServer:
             if self.gave_up:
                 return self._unavailable(request, "the EP workers failed and could not be rebuilt")
             if not self.cluster.alive and not self.recovering:
-                self._start_recovery(self._generation)  # found failed between requests
+                self._start_recovery(self._generation, _why_unhealthy(self.cluster, [], "a request"))
             if not await self._wait_for_recovery(deadline):
                 return self._unavailable(request, "the EP workers failed and are being rebuilt")
             generation = self._generation
@@ -693,7 +706,7 @@ class MoEServer:
                 if self.cluster.alive:  # not a failure of the group: a bug, logged with its id
                     return self._internal_error(request, "internal error")
                 log.debug("ray_ep.serving.server: a step failed with the EP group (%s)", self.cluster.failure)
-                self._start_recovery(generation)
+                self._start_recovery(generation, f"a step failed with the EP group ({self.cluster.failure})")
                 if retried:
                     return self._unavailable(request, "the EP workers failed again after a rebuild")
                 retried = True
@@ -710,7 +723,7 @@ class MoEServer:
         if self.gave_up or self.recovering:
             s = self._retry_after_s()
             body = {"status": "failed" if self.gave_up else "recovering", "backend": backend,
-                    "error": self._recovery_error or self.cluster.failure, "retry_after_s": s,
+                    "error": self._recovery_error or self.cluster.failure or self._recovery_reason, "retry_after_s": s,
                     "restarts": self.cluster.restarts}
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(s)})
         generation = self._generation
@@ -723,7 +736,7 @@ class MoEServer:
         if ok and all(ok):
             return JSONResponse({"status": "ok", "workers": ok, "backend": backend,
                                  "restarts": self.cluster.restarts})
-        self._start_recovery(generation)
+        self._start_recovery(generation, _why_unhealthy(self.cluster, ok, "/health"))
         s = self._retry_after_s()
         status = "recovering" if self.recovering else "unhealthy"
         body = {"status": status, "workers": ok, "backend": backend, "error": error, "retry_after_s": s,
@@ -750,6 +763,16 @@ class MoEServer:
                 cluster.shutdown()
             except Exception as e:  # noqa: BLE001
                 log.warning("ray_ep.serving.server: shutdown: %s", e)
+
+
+def _why_unhealthy(cluster, ok: list[bool], who: str) -> str:
+    """Why ``who`` (a health probe) found the group unfit to serve."""
+    if cluster.failure:
+        return f"{who} found the EP group failed ({cluster.failure})"
+    if not cluster.alive:
+        return f"{who} found the EP group not running (a rebuild failed)"
+    silent = [r for r, answered in enumerate(ok) if not answered]
+    return f"{who}: rank(s) {silent} did not answer a ping (stalled or dead)"
 
 
 def _cause_line(e: BaseException) -> str:
