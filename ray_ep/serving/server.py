@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
-from ..errors import EPError, EPInputError
+from ..errors import EPInputError
 from ..local_cluster import init_ray_bounded, plain_console, start_local_ray
 from .model import (EPModel, MoEModelConfig, check_checkpoint, init_model_weights, load_checkpoint,
                     read_checkpoint_config)
