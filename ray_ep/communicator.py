@@ -402,10 +402,14 @@ class EPCommunicator:
 
     @property
     def scratch(self) -> ExpertScratch:
-        """The intermediates of :meth:`run_experts` (``max_recv_rows`` rows), allocated on first use."""
+        """The intermediates of :meth:`run_experts` (``max_recv_rows`` rows on GPUs, the rows that
+        arrived on CPUs), allocated on first use."""
         self._check_open()
         if self._scratch is None:
-            self._scratch = ExpertScratch.allocate(self.config, self.device)
+            # GPUs: capacity rows (the kernels read counts on the device, no host sync); CPU: grown
+            # to the rows that arrive (run_experts_torch), so a large max_tokens_per_rank costs nothing
+            self._scratch = ExpertScratch.allocate(self.config, self.device,
+                                                   rows=None if self.device.type == "cuda" else 0)
         return self._scratch
 
     def moe(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,

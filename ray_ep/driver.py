@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -31,7 +32,7 @@ from .actors.worker import DispatchSummary, EPWorker
 from .config import EPConfig, format_bytes, plan_buffers, plan_memory
 from .errors import EPClusterError, EPInputError, EPStateError
 from .inputs import ROUTINGS
-from .local_cluster import start_local_ray
+from .local_cluster import init_ray_bounded, start_local_ray
 from .routing import route
 from .transport.nvshmem import NO_MULTICAST_ENV
 from .validation import validate_moe_inputs, validate_per_rank, validate_router_logits
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 # bf16 expert activations.
 TOLERANCE = {"bf16": 3e-2, "fp32": 1e-2}
 OUT_DTYPES = ("bf16", "fp32")  # output dtypes of combine() and forward()
+RESTART_WAIT_S = 15.0  # restart(): longest wait for the killed workers' processes to be gone
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,10 @@ class EPCluster:
             ones NVSHMEM/NCCL need: NVLink multicast stays off).
         num_cpus_per_worker: CPU slots per worker (default 1 with GPUs, 0.5 without).
         placement_strategy: see :class:`~ray_ep.actors.group.EPWorkerGroup`.
+        auto_restart: rebuild a failed group (a dead rank, a call past its timeout, a silent peer,
+            a broken collective) at the next call, as :meth:`restart` does; the call that saw
+            the failure still raises (its data is lost). False: every call raises EPStateError
+            until :meth:`restart` (or shutdown() and start()).
         check_memory: before allocating (start: symmetric buffers; load_experts: weights and
             scratch; check: the reference's world weights), compare the plan
             (:func:`~ray_ep.config.plan_memory`) with the memory the workers' GPUs and hosts
@@ -112,7 +118,7 @@ class EPCluster:
 
     def __init__(self, config: EPConfig | str | dict, *, address: str | None = None, use_gpu: bool | None = None,
                  runtime_env: dict | None = None, num_cpus_per_worker: float | None = None,
-                 placement_strategy: str | None = None, check_memory: bool = True):
+                 placement_strategy: str | None = None, check_memory: bool = True, auto_restart: bool = False):
         self.config = _as_config(config)
         self._address = address
         self._use_gpu = use_gpu
@@ -126,6 +132,12 @@ class EPCluster:
         self._num_tokens: list[int] = []
         self.backend: str | None = None
         self._layers_loaded: set[int] = set()
+        # what load_experts loaded, per layer (the last load wins): replayed by restart()
+        self._expert_loads: dict[int, tuple[ExpertWeights | None, int]] = {}
+        self.auto_restart = auto_restart
+        self._started = False  # start() succeeded and no shutdown() since (a failed restart leaves no group)
+        self.restarts = 0
+        """How many times the group was rebuilt (:meth:`restart`, or ``auto_restart``)."""
         self._check_memory = check_memory
         self._use_gpu_resolved = False  # what start() decided
 
@@ -142,8 +154,20 @@ class EPCluster:
                 # a fresh local Ray, quiet; logical CPU slots for every worker even on a 2-core laptop
                 start_local_ray(max(os.cpu_count() or 1, cfg.world_size))
             else:
-                ray.init(address=self._address)
+                init_ray_bounded(self._address, cfg.init_timeout_s)
             self._owns_ray = True
+        try:
+            self._start_group()
+        except BaseException:
+            self._teardown()
+            raise
+        self._started = True
+        return self
+
+    def _start_group(self) -> None:
+        """The workers, their rendezvous (a new port) and backend (a new NVSHMEM unique id) on
+        the connected Ray; a failure kills what was started and raises."""
+        cfg = self.config
         gpus = ray.cluster_resources().get("GPU", 0)
         use_gpu = self._use_gpu if self._use_gpu is not None else gpus >= cfg.world_size
         backend = cfg.backend
@@ -158,19 +182,53 @@ class EPCluster:
         env["env_vars"] = {**NO_MULTICAST_ENV, "TORCH_CPP_LOG_LEVEL": "ERROR", **env.get("env_vars", {})}
         self._use_gpu_resolved = use_gpu
         num_cpus = self._num_cpus if self._num_cpus is not None else (1.0 if use_gpu else 0.5)
-        self._group = EPWorkerGroup(EPWorker, cfg, use_gpu=use_gpu, runtime_env=env, num_cpus_per_worker=num_cpus,
-                                    placement_strategy=self._strategy)
+        group = EPWorkerGroup(EPWorker, cfg, use_gpu=use_gpu, runtime_env=env, num_cpus_per_worker=num_cpus,
+                              placement_strategy=self._strategy)
+        self._group = group
         try:
-            self._group.start()
+            group.start()
             self.require_memory(cfg, what="the symmetric buffers", symmetric=True)
-            addr, port = self._group.execute_single(0, "rendezvous_address")
+            addr, port = group.execute_single(0, "rendezvous_address")
             # the workers' communicators resolve backend 'auto' from their devices as the driver did
-            self._group.execute("start_communicator", cfg, addr, port, call_timeout_s=cfg.init_timeout_s)
+            group.execute("start_communicator", cfg, addr, port, call_timeout_s=cfg.init_timeout_s)
         except BaseException:
-            self._teardown()
+            group.shutdown()
+            self._group = None
             raise
         self.backend = backend
+        self._phase = None
         log.info("ray_ep: %d workers up, backend %s", cfg.world_size, backend)
+
+    def restart(self) -> "EPCluster":
+        """Rebuild the group in place: kill every worker (a failed group cannot be patched:
+        NVSHMEM state, epochs and process groups are shared by all ranks), start new ones with
+        the same config on the same Ray (a new rendezvous and NVSHMEM unique id), and load
+        every expert layer again from what :meth:`load_experts` was given (the same seed, or
+        the same ExpertWeights). State installed through :meth:`run` (``worker.state``) is
+        not replayed: install it again. Works on a healthy group too.
+
+        Raises what :meth:`start` raises when the new group cannot start (the cluster is then
+        not running: call restart() again or start())."""
+        if not self._started:
+            raise EPStateError("the cluster is not running: call start() (or use `with EPCluster(...)`) first")
+        if not ray.is_initialized():
+            raise EPStateError("Ray is gone (shut down or the driver lost it): call shutdown(), then start()")
+        failure = self.failure
+        t0 = time.perf_counter()
+        if self._group is not None:
+            # kills (no collective on a group that may be out of step) and waits for the processes
+            # to go: the new workers need their GPU memory
+            self._group.shutdown(wait_s=RESTART_WAIT_S)
+            self._group = None
+        self._phase = None
+        self._layers_loaded.clear()
+        self._start_group()
+        loads = list(self._expert_loads.items())
+        for layer, (weights, seed) in loads:
+            self.load_experts(weights, seed=seed, layer=layer)
+        self.restarts += 1
+        log.warning("ray_ep: group rebuilt in %.1f s (%d expert layer(s) reloaded)%s", time.perf_counter() - t0,
+                    len(loads), f" after: {failure}" if failure else "")
         return self
 
     def _start_local_cluster(self) -> None:
@@ -212,6 +270,9 @@ class EPCluster:
             self._group.shutdown()
             self._group = None
         self._phase = None
+        self._expert_loads.clear()
+        self._layers_loaded.clear()
+        self._started = False
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
@@ -225,9 +286,16 @@ class EPCluster:
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.shutdown(kill=exc_type is KeyboardInterrupt)  # interrupted: stop now, no collective
 
-    def _need_group(self) -> EPWorkerGroup:
+    def _need_group(self, restart: bool = True) -> EPWorkerGroup:
+        """The running group; with ``auto_restart`` (and ``restart``) a failed one is rebuilt first."""
         if self._group is None:
-            raise EPStateError("the cluster is not running: call start() (or use `with EPCluster(...)`) first")
+            if restart and self.auto_restart and self._started and ray.is_initialized():
+                self.restart()  # a previous restart failed half-way: try again
+            else:
+                raise EPStateError("the cluster is not running: call start() (or use `with EPCluster(...)`) first")
+        elif restart and self.auto_restart and not self._group.alive:
+            log.warning("ray_ep: auto_restart: rebuilding the failed group (%s)", self._group.failure)
+            self.restart()
         return self._group
 
     @property
@@ -237,7 +305,7 @@ class EPCluster:
     @property
     def actors(self) -> list:
         """The workers' Ray actor handles in rank order (advanced: health probes, fault tests)."""
-        return list(self._need_group().actors)
+        return list(self._need_group(restart=False).actors)
 
     def info(self) -> list[dict]:
         """One dict per rank: device, GPU name and SMs, node, whether nvshmem4py is there."""
@@ -247,9 +315,14 @@ class EPCluster:
         """Whether each rank can serve: it answers a ping and the group has not failed (a dead
         rank, a call past its timeout, a silent peer or a broken collective leave the ranks out
         of step: then every rank reports False until the group is rebuilt)."""
-        group = self._need_group()
+        group = self._need_group(restart=False)
         ok = group.health()
         return ok if group.alive else [False] * len(ok)
+
+    @property
+    def alive(self) -> bool:
+        """Started, and the group has not failed (no remote call: see :meth:`health`)."""
+        return self._group is not None and self._group.alive
 
     @property
     def failure(self) -> str | None:
@@ -263,7 +336,8 @@ class EPCluster:
     def load_experts(self, weights: ExpertWeights | None = None, seed: int = 0, layer: int = 0) -> None:
         """Experts of MoE layer ``layer``: seeded random (each worker builds its own slice), or
         the given world weights (sharded here: rank r gets routed experts [r * L, (r + 1) * L)
-        and every shared expert)."""
+        and every shared expert). The cluster keeps the seed, or a reference to ``weights``,
+        for :meth:`restart`."""
         g = self._need_group()
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise EPInputError(f"layer must be an int >= 0 (negative slots are ray_ep's own), got {layer!r}")
@@ -282,6 +356,8 @@ class EPCluster:
                     "shared_gate_up_SHF2": w.shared_gate_up, "shared_down_SFH": w.shared_down}})
             g.execute_per_rank("load_experts", [(None,)] * self.world_size, per_rank)
         self._layers_loaded.add(layer)
+        self._expert_loads.pop(layer, None)  # replayed in the order of the last loads
+        self._expert_loads[layer] = (weights, seed)
 
     def require_memory(self, cfg: EPConfig, *, what: str, symmetric: bool = False, layers: int = 0,
                        scratch: bool = False, reference: bool = False) -> None:
@@ -293,7 +369,8 @@ class EPCluster:
         if not self._check_memory:
             return
         plan = plan_memory(cfg)
-        need = layers * plan.experts_per_layer + (plan.scratch if scratch else 0)
+        # CPU workers allocate the expert scratch by the rows that arrive (ExpertScratch), not at capacity
+        need = layers * plan.experts_per_layer + (plan.scratch if scratch and self._use_gpu_resolved else 0)
         need += plan.symmetric + plan.workspace if symmetric else 0
         on_gpu = self._use_gpu_resolved
         device_need = need if on_gpu else 0

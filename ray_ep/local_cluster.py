@@ -138,3 +138,61 @@ class LocalCluster:
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None
+
+
+def init_ray_bounded(address: str, timeout_s: float, **kwargs) -> None:
+    """``ray.init(address=...)`` that fails within ``timeout_s`` (EPConfig.init_timeout_s).
+
+    ray.init keeps retrying a GCS that does not answer for many minutes (822 s were seen for
+    ``127.0.0.1:1``). A ``host:port`` is first probed with one TCP connect, so a refused or
+    unreachable address fails at once; then ray.init runs in a helper thread and is given
+    ``timeout_s``. Past it, EPTimeoutError (the helper thread may still be connecting; the
+    caller is expected to give up, as the CLI does)."""
+    import socket
+    import threading
+
+    import ray
+
+    from .errors import EPClusterError, EPTimeoutError
+
+    if address not in ("auto", "local") and "://" not in address:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise EPClusterError(f"Ray address {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379), 'auto' or ray://...")
+        try:
+            socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)).close()
+        except OSError as e:
+            raise EPClusterError(f"no Ray cluster answers at {address} ({type(e).__name__}: {e}); start one there "
+                                 f"(`ray start --head --port {port}`) or fix the address") from None
+    outcome: dict = {}
+
+    def connect() -> None:
+        try:
+            ray.init(address=address, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = e
+
+    # outside the main thread ray.init only skips its SIGTERM handler (sys.exit on SIGTERM; the
+    # default action stops the process as well) and warns about it: that line is dropped
+    ray_worker_log = logging.getLogger("ray._private.worker")
+    quiet = _DropMessage("SIGTERM handler is not set")
+    ray_worker_log.addFilter(quiet)
+    thread = threading.Thread(target=connect, name="ray_ep-ray-init", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    ray_worker_log.removeFilter(quiet)
+    if thread.is_alive():
+        raise EPTimeoutError(f"ray.init(address={address!r}) did not connect within init_timeout_s = {timeout_s:g} s; "
+                             f"check that a Ray head runs there and that this machine reaches it, or raise "
+                             f"init_timeout_s")
+    if "error" in outcome:
+        raise outcome["error"]
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()

@@ -820,3 +820,26 @@ def test_a_timeout_in_a_worker_fails_the_group(ray_session):
             ep.check(num_tokens=4)
     finally:
         ep.shutdown()
+
+
+def _scratch_rows(worker) -> int:
+    return worker.group_state().scratch.rows
+
+
+def test_cpu_expert_scratch_follows_the_rows_not_the_capacity(ray_session):
+    """CPU workers allocate the expert scratch by the rows that arrive: at a large
+    max_tokens_per_rank a 5-token layer holds a few rows of scratch, not max_recv_rows; the
+    output still matches the reference, and a larger batch grows the scratch."""
+    cfg = EPConfig.preset("tiny", gpus_per_node=2, max_tokens_per_rank=65536)
+    ep = EPCluster(cfg).start()
+    try:
+        ep.load_experts(seed=LAYER0_SEED)
+        assert ep.run(_scratch_rows) == [0, 0]  # nothing at load time (capacity: 131072 rows each)
+        w = world_weights(cfg, LAYER0_SEED)
+        for n in (5, 40):
+            xs, ids, ws = inputs(cfg, n, seed=70 + n)
+            assert_close_to_reference(cfg, ep.forward(xs, ids, ws), xs, ids, ws, w)
+            rows = ep.run(_scratch_rows)
+            assert all(1 <= r <= 2 * n * cfg.top_k + cfg.experts_per_rank * cfg.expert_alignment for r in rows), rows
+    finally:
+        ep.shutdown()

@@ -52,6 +52,9 @@ MODEL = MoEModelConfig(vocab_size=64, hidden_size=128, n_layers=2, n_heads=4, ma
 CKPT_MODEL = MODEL.model_copy(update={"n_shared_experts": 1})
 WORKERS = 2
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [63, 0, 31, 17], list(range(20))]
+IN_FLIGHT = 24  # max_requests_in_flight of the app "moe" (tests send at most 16 at once)
+BODY_TIMEOUT_S = 2.0
+TOKEN = "s3cret-token"
 
 
 def free_port() -> int:
@@ -144,6 +147,26 @@ def test_options_from_flags_yaml_and_checkpoint(tmp_path):
         options_from_args(parser.parse_args(["--checkpoint", str(path), "--n-experts", "8"]))
 
 
+def test_api_token_from_the_environment_and_other_limits(monkeypatch):
+    import argparse
+
+    from ray_ep.serving.server import API_TOKEN_ENV, hash_token
+
+    parser = add_arguments(argparse.ArgumentParser())
+    monkeypatch.delenv(API_TOKEN_ENV, raising=False)
+    assert options_from_args(parser.parse_args([])).api_token_sha256 is None
+    monkeypatch.setenv(API_TOKEN_ENV, "abc")
+    opts = options_from_args(parser.parse_args(["--max-requests-in-flight", "8"]))
+    assert opts.api_token_sha256 == hash_token("abc") and "abc" not in opts.model_dump_json()  # only the hash travels
+    assert opts.max_requests_in_flight == 8
+    monkeypatch.setenv("MY_TOKEN", "xyz")
+    assert options_from_args(parser.parse_args(["--api-token-env", "MY_TOKEN"])).api_token_sha256 == hash_token("xyz")
+    with pytest.raises(ValueError, match="MY_OTHER_TOKEN is unset or empty"):
+        options_from_args(parser.parse_args(["--api-token-env", "MY_OTHER_TOKEN"]))
+    with pytest.raises(ValueError, match="must exceed max_requests_in_flight"):
+        ServeOptions(model=MODEL, workers=2, max_requests_in_flight=2000)
+
+
 def test_checkpoint_roundtrip_and_errors(tmp_path):
     w = init_model_weights(CKPT_MODEL, seed=1)
     path = tmp_path / "model.safetensors"
@@ -231,6 +254,8 @@ def test_forward_reference_is_causal_and_batch_independent():
     (json.dumps({"prompt_ids": [1], "top_logits": 99}).encode(), 400, "top_logits"),
     (json.dumps({"prompt_ids": [1], "temperature": 1.0}).encode(), 400, "temperature"),
     (b"x" * (2 << 20), 413, "exceeds"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nests too deeply"),  # a RecursionError in json, not a 500
+    (b'{"prompt_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nests too deeply"),
 ])
 def test_validate_request(body, status, message):
     with pytest.raises(RequestError) as e:
@@ -254,7 +279,7 @@ def test_stats_and_percentiles():
     st.request(503)
     st.step(0.5, sequences=4, generated=4, forwarded=20)
     snap = st.snapshot()
-    assert snap["requests"] == {"ok": 10, "client_errors": 1, "server_errors": 1}
+    assert snap["requests"] == {"ok": 10, "client_errors": 1, "server_errors": 1, "retried": 0}
     assert snap["latency_s"]["p50"] == pytest.approx(0.5) and snap["latency_s"]["p99"] == pytest.approx(1.0)
     assert snap["tokens_per_s"]["generated_busy"] == pytest.approx(8.0)
     per_rank = [{"seconds": {"dispatch": 1.0, "experts": 2.0}, "calls": {"dispatch": 2, "experts": 2}, "tokens": 5,
@@ -306,16 +331,17 @@ def server(serve_port):
     from ray_ep.serving.server import start_server
 
     opts = ServeOptions(model=MODEL, workers=WORKERS, use_gpu=False, seed=0, max_batch_size=16, batch_wait_ms=2,
-                        port=serve_port, host="127.0.0.1", app_name="moe", route_prefix="/", log_level="WARNING")
+                        port=serve_port, host="127.0.0.1", app_name="moe", route_prefix="/", log_level="WARNING",
+                        max_requests_in_flight=IN_FLIGHT, body_timeout_s=BODY_TIMEOUT_S)
     handle = start_server(opts)
     yield f"http://127.0.0.1:{serve_port}", init_model_weights(MODEL, seed=0), handle
     serve.delete("moe")
 
 
-def post(url: str, body, timeout: float = 60):
+def post(url: str, body, timeout: float = 60, headers: dict | None = None):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return requests.post(url + "/v1/generate", data=data, headers={"Content-Type": "application/json"},
-                         timeout=timeout)
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    return requests.post(url + "/v1/generate", data=data, headers=headers, timeout=timeout)
 
 
 def test_health_and_info(server):
@@ -398,53 +424,266 @@ def test_stats(server):
     assert sum(s["tokens_per_expert"]) == MODEL.top_k * sum(s["tokens_per_rank"])
 
 
-def test_checkpoint_server_then_a_dead_worker(serve_port, tmp_path_factory):
-    """A second app from a checkpoint (shared experts, fp32 combine, an EP buffer of one
-    sequence per rank so a batch takes several rounds) answers like the reference; then one
-    of its workers dies: /health says 503, generate says 503, the other app is unaffected."""
-    import ray
+# ---- HTTP hardening ------------------------------------------------------------------------------
+def test_deeply_nested_json_is_a_counted_400(server):
+    url, _, _ = server
+    before = requests.get(url + "/stats", timeout=30).json()["requests"]["client_errors"]
+    r = post(url, b"[" * 100_000 + b"]" * 100_000)
+    assert r.status_code == 400 and "nests too deeply" in r.json()["error"]
+    assert requests.get(url + "/stats", timeout=30).json()["requests"]["client_errors"] == before + 1
+
+
+def test_body_size_is_bounded_while_it_streams(server):
+    url, _, _ = server
+
+    def chunks():  # no Content-Length: chunked transfer, counted as it arrives
+        for _ in range(40):
+            yield b" " * 65536
+
+    r = requests.post(url + "/v1/generate", data=chunks(), timeout=60)
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as s:
+        # a declared size over the limit: refused before any of the body is read
+        s.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n")
+        assert b" 413 " in s.recv(4096).split(b"\r\n")[0]
+
+
+def _stalled_upload(port: int) -> socket.socket:
+    """A generate request whose body never finishes (1 of 100 bytes sent)."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n{")
+    return s
+
+
+def test_stalled_uploads_get_408_and_health_answers_meanwhile(server):
+    """IN_FLIGHT stalled uploads fill the replica's generate slots: a further generate gets 503
+    with Retry-After at once (backpressure), /health and /stats still answer, each stalled
+    upload gets 408 after body_timeout_s, and then the server serves again."""
+    url, weights, _ = server
+    port = int(url.rsplit(":", 1)[1])
+    stalled = [_stalled_upload(port) for _ in range(IN_FLIGHT)]
+    try:
+        deadline = time.monotonic() + 30
+        while (s := requests.get(url + "/stats", timeout=30).json())["in_flight"] < IN_FLIGHT:
+            assert time.monotonic() < deadline, f"the stalled uploads never reached the replica: {s['in_flight']}"
+            time.sleep(0.1)
+        r = post(url, {"prompt_ids": [1, 2]})
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1" and "busy" in r.json()["error"]
+        assert requests.get(url + "/health", timeout=30).status_code == 200
+        for s in stalled:
+            s.settimeout(BODY_TIMEOUT_S + 60)
+            assert b" 408 " in s.recv(4096).split(b"\r\n")[0]
+    finally:
+        for s in stalled:
+            s.close()
+    r = post(url, {"prompt_ids": [1, 2, 3], "max_new_tokens": 2})
+    assert r.status_code == 200
+    Oracle(weights, world_size=WORKERS, combine_dtype="bf16").check([1, 2, 3], r.json()["output_ids"])
+
+
+def test_a_500_is_a_short_message_with_a_request_id(caplog):
+    """An unexpected error answers {"error": "internal error", "request_id": ...}: no traceback,
+    path, pid or IP; the traceback goes to the replica's log under the same id."""
+    import asyncio
+    import logging
+
+    from starlette.requests import Request
+
+    from ray_ep.serving.server import MoEServer
+
+    srv = MoEServer.__new__(MoEServer)  # no workers needed to route a request
+    srv.options, srv.stats = ServeOptions(model=MODEL, workers=2), ServerStats()
+
+    async def broken(request):
+        raise RuntimeError("secret detail: /home/user/x.py pid 4242 10.1.2.3")
+
+    srv._generate = broken
+    scope = {"type": "http", "method": "POST", "path": "/v1/generate", "root_path": "", "headers": [],
+             "query_string": b""}
+    with caplog.at_level(logging.ERROR, logger="ray_ep.serving.server"):
+        response = asyncio.run(srv._route(Request(scope)))
+    body = json.loads(response.body)
+    assert response.status_code == 500 and body["error"] == "internal error" and len(body["request_id"]) == 16
+    assert "secret" not in response.body.decode()
+    assert body["request_id"] in caplog.text and "secret detail" in caplog.text and "Traceback" in caplog.text
+    assert srv.stats.snapshot()["requests"]["server_errors"] == 1
+
+
+@pytest.fixture(scope="module")
+def ckpt_server(serve_port, tmp_path_factory):
+    """App ``moe-ckpt`` at /ckpt from a checkpoint (shared experts, fp32 combine, an EP buffer of
+    one sequence per rank so a batch takes several rounds), a bearer token, recv_timeout_s 3 s;
+    its workers get killed and stalled. Yields (url, weights, handle)."""
     from ray import serve
 
-    from ray_ep.serving.server import start_server
+    from ray_ep.serving.server import hash_token, start_server
 
     path = tmp_path_factory.mktemp("ckpt") / "moe.safetensors"
     weights = init_model_weights(CKPT_MODEL, seed=7)
     save_checkpoint(weights, path)
     opts = ServeOptions(model=CKPT_MODEL, workers=WORKERS, use_gpu=False, checkpoint=str(path),
-                        ep={"combine_dtype": "fp32"}, max_tokens_per_rank=CKPT_MODEL.max_seq_len, port=serve_port,
-                        app_name="moe-ckpt", route_prefix="/ckpt", profile=False, max_top_logits=64,
-                        log_level="WARNING")
+                        ep={"combine_dtype": "fp32", "recv_timeout_s": 3.0}, max_tokens_per_rank=CKPT_MODEL.max_seq_len,
+                        port=serve_port, app_name="moe-ckpt", route_prefix="/ckpt", profile=False, max_top_logits=64,
+                        log_level="WARNING", api_token_sha256=hash_token(TOKEN))
     handle = start_server(opts)
-    url = f"http://127.0.0.1:{serve_port}/ckpt"
-    try:
-        long_prompts = [list(range(i, i + 30)) for i in range(4)]  # 4 x 30 tokens > 2 ranks x 48
-        with ThreadPoolExecutor(4) as ex:
-            outs = list(ex.map(lambda p: post(url, {"prompt_ids": p, "max_new_tokens": 3}), long_prompts))
-        oracle = Oracle(weights, world_size=WORKERS, combine_dtype="fp32")
-        for p, r in zip(long_prompts, outs):
-            assert r.status_code == 200, r.text
-            oracle.check(p, r.json()["output_ids"], r.json()["top_logits"])
-        body = post(url, {"prompt_ids": PROMPTS[2], "top_logits": 64}).json()  # the whole vocabulary
-        oracle.check(PROMPTS[2], body["output_ids"], body["top_logits"])
-        assert sorted(body["top_logits"][0]["ids"]) == list(range(64))
-        assert requests.get(url + "/stats", timeout=30).json()["profiling"] is False
+    yield f"http://127.0.0.1:{serve_port}/ckpt", weights, handle
+    serve.delete("moe-ckpt")
 
-        assert requests.get(url + "/health", timeout=30).status_code == 200
-        actors = handle.worker_actors.remote().result()
-        assert len(actors) == WORKERS
-        ray.kill(actors[1], no_restart=True)
-        deadline = time.monotonic() + 60
-        while (r := requests.get(url + "/health", timeout=30)).status_code != 503:
-            assert time.monotonic() < deadline, "a dead worker never showed in /health"
-            time.sleep(0.5)
-        assert r.json()["status"] == "unhealthy" and r.json()["workers"] == [False] * WORKERS
-        assert "rank(s) [1]" in r.json()["error"]  # which rank took the group down
-        r = post(url, {"prompt_ids": [1, 2], "max_new_tokens": 1})
-        assert r.status_code == 503 and "restart" in r.json()["error"]
-        assert post(url, b"{bad").status_code == 400  # still validating
-        assert requests.get(f"http://127.0.0.1:{serve_port}/health", timeout=30).status_code == 200  # the other app
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_checkpoint_server_and_its_token(ckpt_server):
+    url, weights, _ = ckpt_server
+    long_prompts = [list(range(i, i + 30)) for i in range(4)]  # 4 x 30 tokens > 2 ranks x 48
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(lambda p: post(url, {"prompt_ids": p, "max_new_tokens": 3}, headers=AUTH), long_prompts))
+    oracle = Oracle(weights, world_size=WORKERS, combine_dtype="fp32")
+    for p, r in zip(long_prompts, outs):
+        assert r.status_code == 200, r.text
+        oracle.check(p, r.json()["output_ids"], r.json()["top_logits"])
+    body = post(url, {"prompt_ids": PROMPTS[2], "top_logits": 64}, headers=AUTH).json()  # the whole vocabulary
+    oracle.check(PROMPTS[2], body["output_ids"], body["top_logits"])
+    assert sorted(body["top_logits"][0]["ids"]) == list(range(64))
+    assert requests.get(url + "/stats", timeout=30).json()["profiling"] is False
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        r = post(url, {"prompt_ids": [1]}, headers=headers)
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+        assert "bearer token" in r.json()["error"]
+    assert requests.get(url + "/health", timeout=30).status_code == 200  # /health and /stats need no token
+
+
+def _chaos_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_chaos", REPO / "examples" / "serve_chaos.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+class HealthWatch:
+    """Polls /health in a thread and records the statuses it answered."""
+
+    def __init__(self, url: str):
+        import threading
+
+        self.url, self.seen, self._stop = url, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                r = requests.get(self.url + "/health", timeout=30)
+                self.seen.append((r.status_code, r.json().get("status"), r.headers.get("Retry-After")))
+            except requests.RequestException as e:
+                self.seen.append((0, type(e).__name__, None))
+            time.sleep(0.2)
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join(60)
+        return self.seen
+
+
+# CI's bound for serving again after a worker dies (issue: 15 s on CPU); generous for a slow,
+# shared 2-core machine yet bounded: the rebuild took 3-8 s here
+SERVES_AGAIN_S = 15.0
+
+
+def _assert_recovered(url: str, weights, result: dict, restarts: int, bound_s: float = SERVES_AGAIN_S) -> None:
+    assert result["failed"] == 0, result  # one client retry on 503: nothing lost
+    assert result["first_success_after_kill_s"] is not None, result
+    assert result["first_success_after_kill_s"] <= bound_s, result
+    health = requests.get(url + "/health", timeout=30)
+    assert health.status_code == 200 and health.json()["restarts"] == restarts, health.text
+    r = post(url, {"prompt_ids": PROMPTS[2], "max_new_tokens": 3}, headers=AUTH)  # the same model after the rebuild
+    Oracle(weights, world_size=WORKERS, combine_dtype="fp32").check(PROMPTS[2], r.json()["output_ids"],
+                                                                    r.json()["top_logits"])
+
+
+def test_a_killed_worker_under_load_is_replaced(ckpt_server):
+    """The CI version of examples/serve_chaos.py: 8 requests in flight, SIGKILL of rank 1's
+    process: the server rebuilds its EP group and serves again within SERVES_AGAIN_S, /health
+    says "recovering" meanwhile, and with one client retry on 503 no request is lost."""
+    url, weights, handle = ckpt_server
+    chaos = _chaos_module()
+    victim = handle.worker_pids.remote().result()[1]["pid"]
+    restarts = handle.info.remote().result()["restarts"]
+    watch = HealthWatch(url)
+    try:
+        result = chaos.run_chaos(url, lambda: os.kill(victim, signal.SIGKILL), concurrency=8, kill_at_s=2.0,
+                                 duration_s=2.0 + SERVES_AGAIN_S + 10, settle_s=2.0, new_tokens=2, headers=AUTH)
     finally:
-        serve.delete("moe-ckpt")
+        seen = watch.stop()
+    print(chaos.report(result))
+    _assert_recovered(url, weights, result, restarts + 1)
+    assert result["in_flight_at_kill"] > 0 and result["server_retried"] > 0
+    recovering = [s for s in seen if s[1] == "recovering"]
+    assert recovering and all(code == 503 and int(retry) >= 1 for code, _, retry in recovering), seen
+
+
+def test_a_stalled_worker_is_replaced(ckpt_server):
+    """SIGSTOP of rank 1 past recv_timeout_s (3 s): the step times out naming it, the group is
+    rebuilt (the stopped process is killed), and the server serves again."""
+    url, weights, handle = ckpt_server
+    chaos = _chaos_module()
+    victim = handle.worker_pids.remote().result()[1]["pid"]
+    restarts = handle.info.remote().result()["restarts"]
+    try:
+        result = chaos.run_chaos(url, lambda: os.kill(victim, signal.SIGSTOP), concurrency=4, kill_at_s=1.0,
+                                 duration_s=1.0 + 3.0 + SERVES_AGAIN_S + 10, settle_s=1.0, new_tokens=2, headers=AUTH)
+    finally:
+        try:
+            os.kill(victim, signal.SIGCONT)  # in case it outlived the rebuild
+        except ProcessLookupError:
+            pass
+    print(chaos.report(result))
+    # found after recv_timeout_s (3 s), then the same bound as a kill
+    _assert_recovered(url, weights, result, restarts + 1, bound_s=3.0 + SERVES_AGAIN_S)
+
+
+def test_a_worker_killed_between_requests_costs_no_request(ckpt_server):
+    """An idle server whose worker dies: the next request's step fails, the server rebuilds
+    and runs it again; the client sees one slow 200."""
+    url, weights, handle = ckpt_server
+    victim = handle.worker_pids.remote().result()[0]["pid"]
+    restarts = handle.info.remote().result()["restarts"]
+    retried = requests.get(url + "/stats", timeout=30).json()["requests"]["retried"]
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(1.0)  # dead before the request arrives
+    r = post(url, {"prompt_ids": PROMPTS[3], "max_new_tokens": 2}, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    Oracle(weights, world_size=WORKERS, combine_dtype="fp32").check(PROMPTS[3], r.json()["output_ids"],
+                                                                    r.json()["top_logits"])
+    stats = requests.get(url + "/stats", timeout=30).json()
+    # retried once, or not at all if Serve's health check (every 10 s) found the dead worker first
+    assert stats["restarts"] == restarts + 1 and stats["requests"]["retried"] - retried in (0, 1)
+
+
+def test_check_health_raises_once_the_replica_cannot_recover():
+    """Serve replaces a replica whose check_health raises: after max_recovery_attempts failed
+    rebuilds in a row, or a rebuild running past recovery_timeout_s; not while one runs."""
+    import asyncio
+    import types
+
+    from ray_ep.serving.server import MoEServer
+
+    opts = ServeOptions(model=MODEL, workers=2, max_recovery_attempts=2, recovery_timeout_s=60)
+    stub = types.SimpleNamespace(options=opts, _recovery_failures=2, _recovery_error="EPClusterError: no room",
+                                 _recovery=None, _recovery_started=0.0)
+    stub.gave_up = stub._recovery_failures >= opts.max_recovery_attempts
+    stub.recovering = False
+    with pytest.raises(RuntimeError, match="2 rebuilds in a row failed .*EPClusterError: no room"):
+        asyncio.run(MoEServer.check_health(stub))
+    stub.gave_up, stub.recovering, stub._recovery_started = False, True, time.monotonic()
+    assert asyncio.run(MoEServer.check_health(stub)) is None  # rebuilding: give it time
+    stub._recovery_started = time.monotonic() - 61
+    with pytest.raises(RuntimeError, match="more than recovery_timeout_s = 60 s"):
+        asyncio.run(MoEServer.check_health(stub))
 
 
 # ---- the command line --------------------------------------------------------------------------

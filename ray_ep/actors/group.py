@@ -37,8 +37,10 @@ Failure model (docs/design.md, "Ray")
     A start-up failure tears everything down (actors killed, placement group removed) and
     raises. A dead rank, or a call that runs past its timeout (the ranks are then out of step),
     marks the group failed: every later call raises :class:`EPStateError`, because NVSHMEM
-    state cannot be patched; rebuild with ``shutdown()`` then ``start()``. So does a worker
-    that raises EPTimeoutError (a silent peer) or a DistBackendError (a broken collective).
+    state cannot be patched; rebuild with ``shutdown()`` then ``start()`` (``EPCluster.restart``
+    does both). So does a worker that raises EPTimeoutError (a silent peer) or a
+    DistBackendError (a broken collective); when some ranks time out while others are still
+    running, the error names the running ones as the silent ranks.
     Any other exception raised by a worker
     method is re-raised on the driver as its own type (a ``ValueError`` in a worker is a
     ``ValueError`` here) and leaves the group usable.
@@ -127,8 +129,9 @@ class _Placement:
 
 def _breaks_the_group(exc: object) -> bool:
     """Errors after which the ranks are out of step: a receive that timed out on a silent peer
-    (EPTimeoutError) or a collective of the process group that failed (DistBackendError)."""
-    if isinstance(exc, EPTimeoutError):
+    (EPTimeoutError), a collective that broke (EPWorkerError raised by a worker) or a
+    collective of the process group that failed (DistBackendError)."""
+    if isinstance(exc, (EPTimeoutError, EPWorkerError)):
         return True
     try:
         from torch.distributed import DistBackendError
@@ -700,9 +703,12 @@ class EPWorkerGroup:
                 f"{self._label(r)}: {_cause_text(deaths[r])}" for r in sorted(deaths)
             )
             self._fail(f"rank(s) {sorted(deaths)} died during {what}")
+            # ranks still running may be the cause (NCCL's watchdog ends a rank that waited
+            # on a silent one)
+            running = f"; rank(s) {pending} were still running" if pending else ""
             raise EPWorkerError(
-                f"{len(deaths)} rank(s) died during {what} - {detail}. The group is unusable "
-                f"and must be rebuilt (shutdown(), then start())"
+                f"{len(deaths)} rank(s) died during {what} - {detail}{running}. The group is "
+                f"unusable and must be rebuilt (EPCluster.restart(), or shutdown() then start())"
             ) from deaths[min(deaths)]
         if task_errors:
             rank = min(task_errors)
@@ -714,7 +720,19 @@ class EPWorkerGroup:
             if _breaks_the_group(cause):
                 # a peer stayed silent or a collective broke: the ranks are out of step (epochs,
                 # process group), so no later call can succeed; say so instead of looking healthy
-                self._fail(f"{type(cause).__name__} during {what} on rank {rank}")
+                if isinstance(cause, EPTimeoutError) and pending:
+                    self._fail(f"rank(s) {pending} stayed silent during {what} (rank(s) "
+                               f"{sorted(task_errors)} timed out waiting for them)")
+                else:
+                    self._fail(f"{type(cause).__name__} during {what} on rank {rank}")
+                if isinstance(cause, EPTimeoutError) and pending:
+                    # the ranks still running when their peers gave up are the silent ones (a
+                    # stalled process, a rank slow in earlier work, a peer in another call)
+                    raise EPTimeoutError(
+                        f"{what}: rank(s) {pending} stayed silent: rank(s) {sorted(task_errors)} "
+                        f"timed out waiting for them ({_cause_text(cause)}). The ranks are out of "
+                        f"step, so the group is unusable and must be rebuilt (EPCluster.restart())"
+                    ) from exc
             others = sorted(set(task_errors) - {rank})
             note = f"raised by {what} on {self._label(rank)}"
             if others:
@@ -731,7 +749,7 @@ class EPWorkerGroup:
             raise EPTimeoutError(
                 f"{what} did not finish within call_timeout_s = {timeout_s:g} s on rank(s) "
                 f"{pending} (finished: {done}). The ranks are out of step, so the group is "
-                f"unusable and must be rebuilt (shutdown(), then start())"
+                f"unusable and must be rebuilt (EPCluster.restart(), or shutdown() then start())"
             )
         return [outcome.values[i] for i in range(len(ranks))]
 
@@ -788,15 +806,17 @@ class EPWorkerGroup:
             self._fail(f"rank(s) {sorted(dead)} found dead by health()")
         return ok
 
-    def shutdown(self) -> None:
-        """Kill every actor and remove the placement group. Idempotent."""
+    def shutdown(self, wait_s: float = 0.0) -> None:
+        """Kill every actor and remove the placement group. Idempotent. ``wait_s``: wait up to
+        that long until Ray reports every actor dead (its process gone, so its GPU memory and
+        ports are free again: a group rebuilt at once on the same GPUs needs them)."""
         if self._state in (_State.NEW, _State.SHUTDOWN):
             return  # start() cleans up after itself when it fails
-        self._teardown()
+        self._teardown(wait_s)
         self._state = _State.SHUTDOWN
         logger.info("shut down %s", self)
 
-    def _teardown(self) -> None:
+    def _teardown(self, wait_s: float = 0.0) -> None:
         actors, pg = self._actors, self._pg
         self._actors, self._contexts, self._pg = [], [], None
         if not ray.is_initialized():  # Ray is gone, and with it every actor and group
@@ -806,6 +826,12 @@ class EPWorkerGroup:
                 ray.kill(h, no_restart=True)
             except Exception as e:  # already dead
                 logger.debug("ray.kill: %s", e)
+        if wait_s > 0 and actors:
+            # a ping to a killed actor fails once Ray knows its process is gone
+            pings = [h._ep_ping.remote() for h in actors]
+            _, alive = ray.wait(pings, num_returns=len(pings), timeout=wait_s)
+            if alive:
+                logger.warning("%d killed worker(s) not reported dead within %g s", len(alive), wait_s)
         if pg is not None:
             try:
                 remove_placement_group(pg)
@@ -846,7 +872,7 @@ class EPWorkerGroup:
         if self._state is _State.FAILED:
             raise EPStateError(
                 f"the group is unusable since {self._failure}: NVSHMEM state cannot be patched, "
-                f"so the group must be rebuilt (shutdown(), then start())"
+                f"so the group must be rebuilt (EPCluster.restart(), or shutdown() then start())"
             )
         self._check_started()
 

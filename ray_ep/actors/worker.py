@@ -161,7 +161,7 @@ class EPWorker:
 
     def device_info(self) -> dict:
         info = {"rank": self.rank, "device": str(self.device), "node_id": self.ctx.node_id,
-                "local_rank": self.ctx.local_rank, "node_rank": self.ctx.node_rank}
+                "local_rank": self.ctx.local_rank, "node_rank": self.ctx.node_rank, "pid": os.getpid()}
         if self.device.type == "cuda":
             p = torch.cuda.get_device_properties(self.device)
             info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))
@@ -190,6 +190,14 @@ class EPWorker:
                                     timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
                                     **({"device_id": self.device} if self.device.type == "cuda" else {}))
         self.groups["main"] = EPGroupState(EPCommunicator(cfg, device=self.device))
+        if self.device.type != "cuda":
+            # gloo: from here on every collective waits recv_timeout_s, not the rendezvous's
+            # init_timeout_s (transport/torch_dist.py); a private torch function, checked
+            set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+            if set_timeout is None:
+                raise EPStateError(f"torch {torch.__version__} has no torch.distributed.distributed_c10d."
+                                   f"_set_pg_timeout: recv_timeout_s cannot bound the gloo backend; use torch >= 2.2")
+            set_timeout(datetime.timedelta(seconds=cfg.recv_timeout_s), dist.group.WORLD)
         return self.backend
 
     def add_group(self, name: str, cfg: EPConfig) -> None:

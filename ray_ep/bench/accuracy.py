@@ -45,8 +45,6 @@ def rank_errors(worker, groups: dict[str, str], *, num_tokens: int, seed: int, r
                 x_scale: float) -> dict:
     """Inside a worker (``EPCluster.run``): this rank's squared errors of each dtype's layer
     output against the bf16 group's (``groups``: dtype -> group name, bf16 first; collective)."""
-    from ..kernels.experts import ExpertScratch
-
     base = worker.group_state(groups["bf16"])
     if 0 not in base.experts:
         worker.load_experts(seed=seed, group=groups["bf16"], draw_on_device=True)
@@ -55,8 +53,6 @@ def rank_errors(worker, groups: dict[str, str], *, num_tokens: int, seed: int, r
         g = worker.group_state(name)
         if 0 not in g.experts:  # the same expert tensors in every group
             g.experts[0] = base.experts[0]
-            if g.scratch is None:
-                g.scratch = ExpertScratch.allocate(g.cfg, worker.device)
         x, ids, w = rank_inputs(g.cfg, num_tokens, worker.rank, seed, routing, device=worker.device)
         outs[dt] = worker.moe(x * x_scale, ids, w, group=name, out_dtype="fp32").float()
     ref = outs["bf16"]

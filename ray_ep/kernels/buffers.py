@@ -214,8 +214,8 @@ def check_status(ws: Workspace, rank: int, what: str) -> None:
     if flags & STATUS_TIMEOUT:
         silent = [s for s, v in enumerate(status[1:]) if v]
         raise EPTimeoutError(
-            f"rank {rank}: {what} timed out waiting for ranks {silent}, which never signalled; "
-            f"a peer died, hung or runs another round. The group must be rebuilt."
+            f"{what}: rank(s) {silent} stayed silent: rank {rank} timed out waiting for their signal "
+            f"(recv_timeout_s); a peer died, hung or runs another round. The group must be rebuilt."
         )
     if flags & STATUS_OVERFLOW:
         raise EPOverflowError(

@@ -44,20 +44,39 @@ class LocalExperts:
                 raise EPInputError(f"{name} must be bf16 {shape} for this config, got {t.dtype} {tuple(t.shape)}")
 
 
-@dataclass(frozen=True)
+@dataclass
 class ExpertScratch:
-    """Intermediate buffers of the expert compute, allocated once per rank (capacity rows)."""
+    """Intermediate buffers of the expert compute, allocated once per rank.
+
+    On GPUs (and by default) at capacity (``max_recv_rows``): the kernels read the row
+    counts on the device, so no host sync and CUDA graphs work. CPU workers allocate it by
+    the rows that arrive instead (``rows=0``, then :meth:`ensure_rows` grows it to the most
+    rows seen): at a large max_tokens_per_rank a capacity scratch is gigabytes of host memory
+    for a handful of tokens (1.3 GB at 262144 tokens per rank with the tiny preset)."""
 
     h_M2F: torch.Tensor
     a_MF: torch.Tensor
     y_MH: torch.Tensor
 
     @classmethod
-    def allocate(cls, cfg: EPConfig, device: torch.device | str) -> "ExpertScratch":
-        M, Fi, H = cfg.max_recv_rows, cfg.intermediate_size, cfg.hidden_size
+    def allocate(cls, cfg: EPConfig, device: torch.device | str, rows: int | None = None) -> "ExpertScratch":
+        """``rows`` rows (None: capacity, max_recv_rows)."""
+        M, Fi, H = cfg.max_recv_rows if rows is None else rows, cfg.intermediate_size, cfg.hidden_size
         return cls(torch.zeros(M, 2 * Fi, dtype=torch.bfloat16, device=device),
                    torch.zeros(M, Fi, dtype=torch.bfloat16, device=device),
                    torch.zeros(M, H, dtype=torch.bfloat16, device=device))
+
+    @property
+    def rows(self) -> int:
+        return self.y_MH.shape[0]
+
+    def ensure_rows(self, rows: int) -> None:
+        """Grow (never shrink) to at least ``rows`` rows; new rows are zero."""
+        if rows > self.rows:
+            dev, Fi, H = self.y_MH.device, self.a_MF.shape[1], self.y_MH.shape[1]
+            self.h_M2F = torch.zeros(rows, 2 * Fi, dtype=torch.bfloat16, device=dev)
+            self.a_MF = torch.zeros(rows, Fi, dtype=torch.bfloat16, device=dev)
+            self.y_MH = torch.zeros(rows, H, dtype=torch.bfloat16, device=dev)
 
 
 def run_experts(*, handle: DispatchHandle, experts: LocalExperts, scratch: ExpertScratch,
@@ -68,8 +87,9 @@ def run_experts(*, handle: DispatchHandle, experts: LocalExperts, scratch: Exper
     (dequantised from fp8 inside the first GEMM); padding rows are not computed.
     """
     on_gpu = handle.x_rows.device.type == "cuda"
-    gemm = grouped_gemm if on_gpu else grouped_gemm_torch
-    act = swiglu if on_gpu else swiglu_torch
+    if not on_gpu:
+        return run_experts_torch(handle=handle, experts=experts, scratch=scratch)
+    gemm, act = grouped_gemm, swiglu
     r = handle.recv
     gemm(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=r.row_ids_M, b_LDO=experts.w_gate_up_LHF2,
          row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L, out=scratch.h_M2F, num_sms=num_sms)
@@ -81,14 +101,19 @@ def run_experts(*, handle: DispatchHandle, experts: LocalExperts, scratch: Exper
 
 def run_experts_torch(*, handle: DispatchHandle, experts: LocalExperts, scratch: ExpertScratch,
                     num_sms: int | None = None) -> torch.Tensor:
-    """Torch twin of :func:`run_experts`."""
+    """Torch twin of :func:`run_experts`, over the rows that arrived only (it reads their
+    count on the host: free on a CPU); a smaller scratch grows to them. Returns the whole
+    scratch.y_MH (rows past the count untouched)."""
     r = handle.recv
-    grouped_gemm_torch(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=r.row_ids_M,
+    n = int(r.row_offsets_L1[-1])
+    scratch.ensure_rows(max(n, 1))  # row 0 exists: the combine reads it for slots of no local expert
+    h, a, y, row_ids = scratch.h_M2F[:n], scratch.a_MF[:n], scratch.y_MH[:n], r.row_ids_M[:n]
+    grouped_gemm_torch(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=row_ids,
                      b_LDO=experts.w_gate_up_LHF2, row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L,
-                     out=scratch.h_M2F)
-    swiglu_torch(h_M2F=scratch.h_M2F, row_ids_M=r.row_ids_M, total_rows=r.row_offsets_L1[-1:], out=scratch.a_MF)
-    grouped_gemm_torch(a=scratch.a_MF, b_LDO=experts.w_down_LFH, row_offsets_L1=r.row_offsets_L1,
-                     num_tokens_L=r.num_tokens_L, out=scratch.y_MH)
+                     out=h)
+    swiglu_torch(h_M2F=h, row_ids_M=row_ids, total_rows=r.row_offsets_L1[-1:], out=a)
+    grouped_gemm_torch(a=a, b_LDO=experts.w_down_LFH, row_offsets_L1=r.row_offsets_L1,
+                     num_tokens_L=r.num_tokens_L, out=y)
     return scratch.y_MH
 
 

@@ -573,14 +573,20 @@ class EPModel:
 
     def load(self) -> "EPModel":
         """Install the dense weights in every worker and each layer's experts (collective)."""
-        import ray
-
-        ref = ray.put(self.weights.dense)
-        self.cluster.run(_install_model, self.config, ref)
+        self.install_dense()
         for i, w in enumerate(self.weights.experts):
             self.cluster.load_experts(w, layer=i)
         log.info("ray_ep.serving.model: %d layers loaded on %d workers", self.config.n_layers,
                  self.cluster.world_size)
+        return self
+
+    def install_dense(self) -> "EPModel":
+        """Install the dense weights in every worker (collective). After
+        :meth:`EPCluster.restart`, which reloads the experts itself, this is all the new
+        workers need."""
+        import ray
+
+        self.cluster.run(_install_model, self.config, ray.put(self.weights.dense))
         return self
 
     def next_tokens(self, sequences: Sequence[Sequence[int]], top_n: int = 1) -> NextTokens:

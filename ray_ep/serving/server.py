@@ -11,14 +11,20 @@ HTTP API (JSON)
     "top_logits": int = 5}`` -> ``{"output_ids": [int, ...], "top_logits": [{"ids": [...],
     "logits": [...]}, ... one per new token], "prompt_tokens": int, "latency_s": float}``.
     Greedy decoding; ``output_ids[0]`` is the next token of the prompt. A bad request (bad
-    JSON, empty, too long, ids out of the vocabulary, unknown fields) gets a 400 with
-    ``{"error": message}``; the server keeps serving.
+    JSON, JSON nested too deeply, empty, too long, ids out of the vocabulary, unknown fields)
+    gets a 400 with ``{"error": message}``; a body over ``max_body_bytes`` 413, one not
+    received within ``body_timeout_s`` 408; with a token configured, a request without it
+    401. More than ``max_requests_in_flight`` generate requests at once: 503 with
+    ``Retry-After: 1``. An unexpected error: 500 with ``{"error": "internal error",
+    "request_id": ...}`` (the traceback is in the replica's log under that id).
 
-    ``GET /health``: 200 while every worker answers, 503 once one died (the EP group cannot
-    be patched: restart the server).
+    ``GET /health``: 200 while every worker answers and the EP group has not failed; 503 with
+    ``Retry-After`` and ``"status": "recovering"`` while a failed group is being rebuilt
+    (``"failed"`` once max_recovery_attempts rebuilds failed in a row; Serve then replaces
+    the replica, see :meth:`MoEServer.check_health`).
 
     ``GET /stats``: tokens/s, request latency percentiles, per-phase time of the workers
-    (dense, dispatch, experts, combine) and tokens per expert.
+    (dense, dispatch, experts, combine), tokens per expert, requests retried, rebuilds.
 
 Started by ``ray-ep serve`` or ``python examples/serve_moe.py`` (the same flags: see
 :func:`add_arguments`); ``ray.serve`` is imported only when a server is built, so ray_ep
@@ -45,8 +51,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
-from ..errors import EPError, EPInputError
-from ..local_cluster import plain_console, start_local_ray
+from ..errors import EPInputError
+from ..local_cluster import init_ray_bounded, plain_console, start_local_ray
 from .model import (EPModel, MoEModelConfig, check_checkpoint, init_model_weights, load_checkpoint,
                     read_checkpoint_config)
 
@@ -99,7 +105,30 @@ class ServeOptions(BaseModel):
     replica_cpus: float = Field(default=0.0, ge=0)
     """CPU slots reserved by the replica (it mostly waits on the workers)."""
     max_ongoing_requests: int = Field(default=1024, gt=0)
-    """Requests the replica accepts at once (they queue in the batcher)."""
+    """Requests Serve hands the replica at once (Serve's own limit; beyond it they queue in
+    Serve's proxy, up to max_queued_requests). Must exceed max_requests_in_flight, so that
+    /health and /stats still reach a replica full of generate requests."""
+    max_queued_requests: int = Field(default=1024, gt=0)
+    """Requests Serve's proxy queues for the replica beyond max_ongoing_requests; more get
+    Serve's 503."""
+    max_requests_in_flight: int = Field(default=256, gt=0)
+    """Generate requests the replica admits at once (reading their body, waiting or
+    generating); more are answered 503 with Retry-After at once (backpressure)."""
+    max_body_bytes: int = Field(default=1 << 20, gt=0)
+    """Largest request body (413 beyond)."""
+    body_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    """Longest time to receive a whole request body (408 beyond): a stalled upload does not
+    hold a slot for longer."""
+    api_token_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """SHA-256 (hex) of the bearer token that /v1/* requests must send (``Authorization:
+    Bearer TOKEN``); None: no token. Only the hash travels to the replica
+    (:func:`hash_token`; flag ``--api-token-env``)."""
+    recovery_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    """How long a request waits for the EP group to be rebuilt after a failure (then 503
+    with Retry-After)."""
+    max_recovery_attempts: int = Field(default=3, gt=0)
+    """Rebuilds that may fail in a row before the replica reports itself unhealthy to Serve
+    (check_health raises), which then replaces it."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
     """Log level of Serve's controller, proxy and replica (INFO: their start-up chatter).
     Serve's own access log stays off: it names every request ``POST /`` (see access_log)."""
@@ -114,6 +143,9 @@ class ServeOptions(BaseModel):
                              f"{self.model.max_seq_len}, so that any one sequence fits a rank")
         if not self.route_prefix.startswith("/"):
             raise ValueError(f"route_prefix must start with '/', got {self.route_prefix!r}")
+        if self.max_ongoing_requests <= self.max_requests_in_flight:
+            raise ValueError(f"max_ongoing_requests = {self.max_ongoing_requests} must exceed max_requests_in_flight = "
+                             f"{self.max_requests_in_flight}, so that /health and /stats reach a busy replica")
         return self
 
     def tokens_per_rank(self) -> int:
@@ -148,18 +180,24 @@ class RequestError(Exception):
         self.message = message
 
 
-def validate_request(body: bytes, config: MoEModelConfig, max_top_logits: int) -> GenerateRequest:
+def validate_request(body: bytes, config: MoEModelConfig, max_top_logits: int,
+                     max_body_bytes: int = MAX_BODY_BYTES) -> GenerateRequest:
     """Parse and check a generate body; raise RequestError(400/413) with a message."""
-    if len(body) > MAX_BODY_BYTES:
-        raise RequestError(413, f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
+    if len(body) > max_body_bytes:
+        raise RequestError(413, f"request body of {len(body)} bytes exceeds {max_body_bytes}")
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(400, f"body is not valid JSON: {e}") from None
+    except RecursionError:  # json nests one Python call per level: [[[[...]]]]
+        raise RequestError(400, "body nests too deeply (JSON arrays or objects inside each other); "
+                                "a generate request is one flat object") from None
     if not isinstance(data, dict):
         raise RequestError(400, f"body must be a JSON object, got {type(data).__name__}")
     try:
         req = GenerateRequest.model_validate(data)
+    except RecursionError:
+        raise RequestError(400, "body nests too deeply; a generate request is one flat object") from None
     except ValidationError as e:
         msgs = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors())
         raise RequestError(400, f"invalid request: {msgs}") from None
@@ -192,6 +230,9 @@ class ServerStats:
         self._lock = threading.Lock()
         self.started = time.time()
         self.ok = self.client_errors = self.server_errors = 0
+        self.retried = 0  # requests whose step failed with the EP group and that were run again
+        self.recoveries = 0
+        self.last_recovery_s: float | None = None
         self.latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self.prompt_tokens = self.generated_tokens = self.forward_tokens = 0
         self.steps = 0
@@ -211,6 +252,15 @@ class ServerStats:
                 self.client_errors += 1
             else:
                 self.server_errors += 1
+
+    def retry(self) -> None:
+        with self._lock:
+            self.retried += 1
+
+    def recovered(self, seconds: float) -> None:
+        with self._lock:
+            self.recoveries += 1
+            self.last_recovery_s = seconds
 
     def step(self, seconds: float, sequences: int, generated: int, forwarded: int) -> None:
         with self._lock:
@@ -234,7 +284,9 @@ class ServerStats:
             busy = self.step_seconds
             return {
                 "uptime_s": round(now - self.started, 3),
-                "requests": {"ok": self.ok, "client_errors": self.client_errors, "server_errors": self.server_errors},
+                "requests": {"ok": self.ok, "client_errors": self.client_errors, "server_errors": self.server_errors,
+                             "retried": self.retried},
+                "recoveries": {"count": self.recoveries, "last_s": self.last_recovery_s},
                 "tokens": {"prompt": self.prompt_tokens, "generated": self.generated_tokens,
                            "forwarded": self.forward_tokens},
                 "tokens_per_s": {
@@ -343,9 +395,28 @@ class ContinuousBatcher:
 
 
 # ---- the deployment --------------------------------------------------------------------------
+DEFAULT_RECOVERY_S = 10.0  # Retry-After before any rebuild was timed (CPU: 3-10 s measured)
+
+
+def hash_token(token: str) -> str:
+    """The SHA-256 hex digest that :attr:`ServeOptions.api_token_sha256` holds for ``token``."""
+    import hashlib
+
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 class MoEServer:
     """The Serve deployment (made one by :func:`build_app`): owns the EP workers and the model,
-    batches requests, answers HTTP. Plain class, so ray_ep imports without ray[serve]."""
+    batches requests, answers HTTP. Plain class, so ray_ep imports without ray[serve].
+
+    Recovery: a step that fails because the EP group failed (a dead worker, a call past its
+    timeout, a silent peer) starts one rebuild (:meth:`EPCluster.restart`: new workers,
+    experts reloaded; then the dense weights); the requests of that step wait for it and are
+    retried once; requests arriving meanwhile wait too. A request that cannot be served
+    within ``recovery_timeout_s``, or whose retry fails, gets 503 with Retry-After.
+    ``/health`` says "recovering" meanwhile; :meth:`check_health` (Serve's replica health
+    check) raises once ``max_recovery_attempts`` rebuilds failed in a row, so that Serve
+    replaces the replica."""
 
     def __init__(self, options: ServeOptions):
         from ..driver import EPCluster
@@ -368,6 +439,14 @@ class MoEServer:
         self._lock = threading.Lock()  # one driver call at a time (steps are collective)
         self.stats = ServerStats()
         self.batcher = ContinuousBatcher(self._step, options.max_batch_size, options.batch_wait_ms / 1000, self.stats)
+        self._in_flight = 0  # generate requests admitted (max_requests_in_flight)
+        self._generation = 0  # rebuilds done; a failure seen at generation g needs a rebuild only once
+        self._recovery: asyncio.Task | None = None
+        self._recovery_started = 0.0
+        self._recovery_reason: str | None = None
+        self._recovery_failures = 0  # in a row
+        self._recovery_error: str | None = None
+        self._last_recovery_s: float | None = None
         if options.access_log:
             _enable_access_log()
         log.info("ray_ep.serving.server: %d workers (%s), model %s", self.cluster.world_size,
@@ -381,16 +460,118 @@ class MoEServer:
         with self._lock:
             return self.model.phase_stats()
 
+    # -- recovery --
+    @property
+    def recovering(self) -> bool:
+        return self._recovery is not None and not self._recovery.done()
+
+    @property
+    def gave_up(self) -> bool:
+        """max_recovery_attempts rebuilds failed in a row: only a new replica can serve."""
+        return self._recovery_failures >= self.options.max_recovery_attempts
+
+    def _retry_after_s(self) -> int:
+        """Seconds a client should wait: what is left of a rebuild as long as the last one."""
+        expected = self._last_recovery_s or DEFAULT_RECOVERY_S
+        if self.recovering:
+            expected -= time.monotonic() - self._recovery_started
+        return max(1, math.ceil(expected))
+
+    def _start_recovery(self, generation: int, reason: str) -> None:
+        """Rebuild the group unless a rebuild since ``generation`` ran, one runs, or the
+        replica gave up."""
+        if generation != self._generation or self.recovering or self.gave_up:
+            return
+        self._recovery_started = time.monotonic()
+        self._recovery_reason = reason
+        self._recovery = asyncio.get_running_loop().create_task(self._recover(reason))
+
+    async def _recover(self, reason: str) -> bool:
+        log.warning("ray_ep.serving.server: %s; rebuilding the EP group", reason)
+        try:
+            took = await asyncio.to_thread(self._rebuild)
+        except Exception as e:  # noqa: BLE001 - reported by /health and check_health
+            self._recovery_failures += 1
+            self._recovery_error = _cause_line(e)
+            log.exception("ray_ep.serving.server: rebuilding the EP group failed (%d of %d attempts)",
+                          self._recovery_failures, self.options.max_recovery_attempts)
+            return False
+        if took is None:
+            log.warning("ray_ep.serving.server: the EP group answers again and has not failed: no rebuild")
+            return True
+        self._last_recovery_s = took
+        self._generation += 1
+        self._recovery_failures = 0
+        self._recovery_error = None
+        self.stats.recovered(self._last_recovery_s)
+        log.warning("ray_ep.serving.server: EP group rebuilt in %.1f s; serving again", self._last_recovery_s)
+        return True
+
+    def _rebuild(self) -> float | None:
+        """Restart the group and return the seconds it took, or None when the group turned
+        out fine: a rank that missed a health ping (a stall) is only rebuilt once the step it
+        holds up has ended (its peers' recv_timeout_s bounds that), and it may be back by then."""
+        with self._lock:  # no step runs meanwhile
+            if self.cluster.alive and all(self.cluster.health()):
+                return None
+            t0 = time.perf_counter()
+            self.cluster.restart()  # new workers, new rendezvous, the experts reloaded
+            self.model.install_dense()
+            if self.options.profile:
+                self.model.set_profiling(True)
+            return time.perf_counter() - t0
+
+    async def _wait_for_recovery(self, deadline: float) -> bool:
+        """Wait (until ``deadline``, monotonic) for a running rebuild; True when the group serves."""
+        while self.recovering:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(asyncio.shield(self._recovery), left)
+            except asyncio.TimeoutError:
+                return False
+        return self.cluster.alive
+
     # -- introspection through a DeploymentHandle (tests, operators) --
     def info(self) -> dict:
         """Workers, backend, model and EP config."""
         return {"workers": self.cluster.world_size, "backend": self.cluster.backend,
                 "model": self.options.model.model_dump(), "ep": self.cluster.config.model_dump(),
-                "checkpoint": self.options.checkpoint, "seed": None if self.options.checkpoint else self.options.seed}
+                "checkpoint": self.options.checkpoint, "seed": None if self.options.checkpoint else self.options.seed,
+                "restarts": self.cluster.restarts}
 
     def worker_actors(self) -> list:
         """Ray actor handles of the EP workers, in rank order."""
         return self.cluster.actors
+
+    def worker_pids(self) -> list[dict]:
+        """Per rank: its node id and process id (fault tests, chaos runs)."""
+        return [{"rank": i["rank"], "node_id": i["node_id"], "pid": i["pid"]} for i in self.cluster.info()]
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: raises once the replica cannot recover (its rebuilds
+        failed max_recovery_attempts times in a row, or one runs past recovery_timeout_s), so
+        Serve replaces it; a failed group found here starts a rebuild."""
+        if self.gave_up:
+            raise RuntimeError(f"the EP group failed and {self._recovery_failures} rebuilds in a row failed "
+                               f"(last: {self._recovery_error}); the replica cannot serve")
+        if self.recovering:
+            took = time.monotonic() - self._recovery_started
+            if took > self.options.recovery_timeout_s:
+                raise RuntimeError(f"rebuilding the EP group takes {took:.0f} s, more than recovery_timeout_s = "
+                                   f"{self.options.recovery_timeout_s:g} s")
+            return
+        generation = self._generation
+        if not self.cluster.alive:  # failed, or a rebuild failed half-way
+            self._start_recovery(generation, _why_unhealthy(self.cluster, [], "Serve's health check"))
+            return
+        try:
+            ok = await asyncio.to_thread(self.cluster.health)
+        except Exception:  # noqa: BLE001 - a rebuild that started meanwhile took the group away
+            return
+        if not all(ok):
+            self._start_recovery(generation, _why_unhealthy(self.cluster, ok, "Serve's health check"))
 
     # -- HTTP --
     async def __call__(self, request):
@@ -427,31 +608,109 @@ class MoEServer:
             self.stats.request(405)
             return JSONResponse({"error": f"{path} takes {method}, not {request.method}"}, status_code=405,
                                 headers={"Allow": method})
-        return await handler(request)
+        if path.startswith("/v1/") and not self._authorized(request):
+            self.stats.request(401)
+            return JSONResponse({"error": "this server needs a bearer token: send 'Authorization: Bearer TOKEN'"},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        try:
+            return await handler(request)
+        except Exception:  # noqa: BLE001 - the details stay in the replica's log
+            return self._internal_error(request, "internal error")
+
+    def _authorized(self, request) -> bool:
+        want = self.options.api_token_sha256
+        if want is None:
+            return True
+        import hmac
+
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(hash_token(token.strip()), want)
+
+    def _internal_error(self, request, what: str, status: int = 500, headers: dict | None = None):
+        """A short answer naming a request id; the traceback goes to the replica's log."""
+        import uuid
+
+        from starlette.responses import JSONResponse
+
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        log.error("ray_ep.serving.server: request %s: %s", rid, what, exc_info=sys.exc_info()[0] is not None)
+        self.stats.request(status)
+        return JSONResponse({"error": what, "request_id": rid}, status_code=status, headers=headers)
+
+    def _unavailable(self, request, why: str):
+        s = self._retry_after_s()
+        return self._internal_error(request, f"{why}; retry after {s} s", status=503, headers={"Retry-After": str(s)})
+
+    async def _read_body(self, request) -> bytes:
+        """The body, at most max_body_bytes (413) and within body_timeout_s (408)."""
+        limit = self.options.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise RequestError(413, f"request body of {declared} bytes exceeds {limit}")
+
+        async def read() -> bytes:
+            chunks, n = [], 0
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > limit:
+                    raise RequestError(413, f"request body exceeds {limit} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        try:
+            return await asyncio.wait_for(read(), self.options.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"request body not received within {self.options.body_timeout_s:g} s") from None
 
     async def _generate(self, request):
         from starlette.responses import JSONResponse
 
+        if self._in_flight >= self.options.max_requests_in_flight:  # backpressure, before reading the body
+            self.stats.request(503)
+            return JSONResponse({"error": f"busy: {self._in_flight} requests in flight (max_requests_in_flight); "
+                                          f"retry after 1 s"}, status_code=503, headers={"Retry-After": "1"})
+        self._in_flight += 1
+        try:
+            return await self._generate_admitted(request)
+        finally:
+            self._in_flight -= 1
+
+    async def _generate_admitted(self, request):
+        from starlette.responses import JSONResponse
+
         t0 = time.perf_counter()
         try:
-            req = validate_request(await request.body(), self.options.model, self.options.max_top_logits)
+            req = validate_request(await self._read_body(request), self.options.model, self.options.max_top_logits,
+                                   self.options.max_body_bytes)
         except RequestError as e:
             self.stats.request(e.status)
             return JSONResponse({"error": e.message}, status_code=e.status)
-        try:
-            seq = await self.batcher.submit(req.prompt_ids, req.max_new_tokens, req.top_logits)
-        except EPInputError as e:  # refused by the model's own checks
-            self.stats.request(400)
-            return JSONResponse({"error": str(e)}, status_code=400)
-        except EPError as e:  # a worker died or timed out: the EP group must be rebuilt
-            self.stats.request(503)
-            log.error("ray_ep.serving.server: generate failed: %s", e)
-            return JSONResponse({"error": f"the EP workers failed ({type(e).__name__}: {e}); restart the server"},
-                                status_code=503)
-        except Exception as e:  # noqa: BLE001
-            self.stats.request(500)
-            log.exception("ray_ep.serving.server: generate failed")
-            return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
+        deadline = time.monotonic() + self.options.recovery_timeout_s
+        retried = False
+        while True:
+            if self.gave_up:
+                return self._unavailable(request, "the EP workers failed and could not be rebuilt")
+            if not self.cluster.alive and not self.recovering:
+                self._start_recovery(self._generation, _why_unhealthy(self.cluster, [], "a request"))
+            if not await self._wait_for_recovery(deadline):
+                return self._unavailable(request, "the EP workers failed and are being rebuilt")
+            generation = self._generation
+            try:
+                seq = await self.batcher.submit(req.prompt_ids, req.max_new_tokens, req.top_logits)
+                break
+            except EPInputError as e:  # refused by the model's own checks
+                self.stats.request(400)
+                cause = getattr(e, "cause", None)  # raised in a worker: its own message, not Ray's traceback
+                return JSONResponse({"error": str(cause if isinstance(cause, EPInputError) else e)}, status_code=400)
+            except Exception:  # noqa: BLE001
+                if self.cluster.alive:  # not a failure of the group: a bug, logged with its id
+                    return self._internal_error(request, "internal error")
+                log.debug("ray_ep.serving.server: a step failed with the EP group (%s)", self.cluster.failure)
+                self._start_recovery(generation, f"a step failed with the EP group ({self.cluster.failure})")
+                if retried:
+                    return self._unavailable(request, "the EP workers failed again after a rebuild")
+                retried = True
+                self.stats.retry()
         latency = time.perf_counter() - t0
         self.stats.request(200, latency, len(req.prompt_ids))
         return JSONResponse({"output_ids": seq.output, "top_logits": seq.top, "prompt_tokens": len(req.prompt_ids),
@@ -460,25 +719,41 @@ class MoEServer:
     async def _health(self, request):
         from starlette.responses import JSONResponse
 
+        backend = self.cluster.backend
+        if self.gave_up or self.recovering:
+            s = self._retry_after_s()
+            body = {"status": "failed" if self.gave_up else "recovering", "backend": backend,
+                    "error": self._recovery_error or self.cluster.failure or self._recovery_reason, "retry_after_s": s,
+                    "restarts": self.cluster.restarts}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(s)})
+        generation = self._generation
         try:
             ok = await asyncio.to_thread(self.cluster.health)
-        except Exception as e:  # noqa: BLE001
-            return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}, status_code=503)
-        body = {"status": "ok" if all(ok) else "unhealthy", "workers": ok, "backend": self.cluster.backend}
-        if self.cluster.failure:
-            body["error"] = self.cluster.failure
-        return JSONResponse(body, status_code=200 if all(ok) else 503)
+        except Exception as e:  # noqa: BLE001 - e.g. a rebuild took the group away meanwhile
+            ok, error = [], _cause_line(e)
+        else:
+            error = self.cluster.failure
+        if ok and all(ok):
+            return JSONResponse({"status": "ok", "workers": ok, "backend": backend,
+                                 "restarts": self.cluster.restarts})
+        self._start_recovery(generation, _why_unhealthy(self.cluster, ok, "/health"))
+        s = self._retry_after_s()
+        status = "recovering" if self.recovering else "unhealthy"
+        body = {"status": status, "workers": ok, "backend": backend, "error": error, "retry_after_s": s,
+                "restarts": self.cluster.restarts}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(s)})
 
     async def _stats(self, request):
         from starlette.responses import JSONResponse
 
         out = self.stats.snapshot()
-        out.update(workers=self.cluster.world_size, backend=self.cluster.backend, profiling=self.options.profile)
-        if self.options.profile:
+        out.update(workers=self.cluster.world_size, backend=self.cluster.backend, profiling=self.options.profile,
+                   in_flight=self._in_flight, restarts=self.cluster.restarts)
+        if self.options.profile and self.cluster.alive and not self.recovering:
             try:
                 out.update(summarize_phases(await asyncio.to_thread(self._phase_stats)))
             except Exception as e:  # noqa: BLE001 - a dead worker: the rest of the stats still help
-                out["phases_error"] = f"{type(e).__name__}: {e}"
+                out["phases_error"] = _cause_line(e)
         return JSONResponse(out)
 
     def __del__(self) -> None:
@@ -488,6 +763,25 @@ class MoEServer:
                 cluster.shutdown()
             except Exception as e:  # noqa: BLE001
                 log.warning("ray_ep.serving.server: shutdown: %s", e)
+
+
+def _why_unhealthy(cluster, ok: list[bool], who: str) -> str:
+    """Why ``who`` (a health probe) found the group unfit to serve."""
+    if cluster.failure:
+        return f"{who} found the EP group failed ({cluster.failure})"
+    if not cluster.alive:
+        return f"{who} found the EP group not running (a rebuild failed)"
+    silent = [r for r, answered in enumerate(ok) if not answered]
+    return f"{who}: rank(s) {silent} did not answer a ping (stalled or dead)"
+
+
+def _cause_line(e: BaseException) -> str:
+    """One line for a client or /health: the error's type and first line, no traceback."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        e = cause
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    return f"{type(e).__name__}: {first[:300]}"
 
 
 def _enable_access_log() -> None:
@@ -508,6 +802,7 @@ def build_app(options: ServeOptions):
 
     dep = serve.deployment(MoEServer, name="MoEServer", num_replicas=1,
                            max_ongoing_requests=options.max_ongoing_requests,
+                           max_queued_requests=options.max_queued_requests,
                            ray_actor_options={"num_cpus": options.replica_cpus},
                            # a constructor that fails (bad checkpoint, too few GPUs) fails the deploy
                            max_constructor_retry_count=1)
@@ -521,7 +816,9 @@ _MODEL_FLAGS = {"vocab_size": "V: token ids 0..V-1", "hidden_size": "H", "n_laye
                 "intermediate_size": "F: width of each SwiGLU expert", "n_shared_experts": "shared experts per layer"}
 _EP_FLAGS = ("backend", "dispatch_dtype", "combine_dtype")
 _SERVE_FLAGS = ("workers", "nodes", "host", "port", "seed", "checkpoint", "max_batch_size", "batch_wait_ms",
-                "max_tokens_per_rank", "log_level")
+                "max_tokens_per_rank", "log_level", "max_requests_in_flight")
+API_TOKEN_ENV = "RAY_EP_API_TOKEN"
+"""Environment variable with the bearer token of /v1/* (``--api-token-env`` names another)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -539,6 +836,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--batch-wait-ms", type=float, help="wait for more requests before a step when idle (default 2)")
     g.add_argument("--max-tokens-per-rank", type=int,
                    help="EP buffer per rank (default max_seq_len * ceil(max_batch_size / workers))")
+    g.add_argument("--max-requests-in-flight", type=int,
+                   help="generate requests admitted at once; more get 503 with Retry-After (default 256)")
+    g.add_argument("--api-token-env", metavar="VAR",
+                   help=f"require 'Authorization: Bearer TOKEN' on /v1/*, TOKEN read from the environment variable "
+                        f"VAR (default: {API_TOKEN_ENV} when it is set; otherwise no token)")
     g.add_argument("--no-profile", action="store_true", help="no per-phase timing in /stats (saves a GPU sync per phase)")
     g.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level of Ray and Serve (controller, proxy, replica) and of this command "
@@ -599,6 +901,12 @@ def options_from_args(args: argparse.Namespace, gpus: int | None = None) -> Serv
         data["log_level"] = "INFO"
     if getattr(args, "access_log", False):
         data["access_log"] = True
+    token_env = getattr(args, "api_token_env", None)
+    token = os.environ.get(token_env or API_TOKEN_ENV)
+    if token_env and not token:
+        raise ValueError(f"--api-token-env {token_env}: the environment variable {token_env} is unset or empty")
+    if token:
+        data["api_token_sha256"] = hash_token(token)
     if "workers" not in data:
         data["workers"] = gpus if gpus and data.get("use_gpu") is not False else 2
     data["model"], data["ep"] = model, ep
@@ -678,12 +986,11 @@ def _command_started() -> tuple[float, str]:
 _IMPORTED = time.perf_counter()
 
 
-def _init_ray(address: str | None, num_cpus: int, level: int) -> bool:
-    """Connect to ``address`` or start a local Ray; True when it started one (ours to stop)."""
-    import ray
-
+def _init_ray(address: str | None, num_cpus: int, level: int, timeout_s: float) -> bool:
+    """Connect to ``address`` (within ``timeout_s``: init_timeout_s) or start a local Ray;
+    True when it started one (ours to stop)."""
     if address:
-        ray.init(address=address, logging_level=level)
+        init_ray_bounded(address, timeout_s, logging_level=level)
         return False
     start_local_ray(num_cpus, logging_level=level)
     return True
@@ -727,7 +1034,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     t_ray = time.perf_counter()
     if not ray.is_initialized():
         address = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")
-        owns_ray = _init_ray(address, max(os.cpu_count() or 1, options.workers + 1), level)
+        try:
+            owns_ray = _init_ray(address, max(os.cpu_count() or 1, options.workers + 1), level,
+                                 options.ep_config().init_timeout_s)
+        except Exception as e:  # noqa: BLE001 - an address that does not answer: one line
+            print(f"ray-ep serve: could not start: {type(e).__name__}: {e}", file=sys.stderr)
+            return EXIT_START_FAILED
     t_ray = time.perf_counter() - t_ray
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if getattr(args, "workers", None) is None and gpus and not getattr(args, "cpu", False) \

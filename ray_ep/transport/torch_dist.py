@@ -6,17 +6,30 @@ exchange counts, all_to_all_single of rows and meta, expert-major layout on the 
 then partial sums per (token, rank), all_to_all_single back, sum per token.
 
 Rows travel as raw bytes (gloo has no bf16/fp8 reductions to offer and needs none).
+
+Bounded waits (gloo): once the group is up, its collectives get ``recv_timeout_s`` (the
+rendezvous keeps ``init_timeout_s``). A collective that a peer does not join in time raises
+:class:`~ray_ep.errors.EPTimeoutError` (gloo's own error names no rank); one that breaks
+because a peer gave up or died raises :class:`~ray_ep.errors.EPWorkerError`. Either way the
+process group is closed (gloo: "Application timeout caused pair closure") and the group must
+be rebuilt; the driver names the ranks that stayed silent (those still running).
+
+On NCCL (the GPU baseline) the group keeps ``init_timeout_s``: NCCL collectives return to
+the host at once and a timeout is handled by NCCL's watchdog, which tears the waiting
+worker's process down (the driver then reports a dead rank); a shorter limit there would
+also cut the first, compiling rounds of a cold Triton cache on a slow rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..config import FP8_GROUP, NVFP4_BLOCK, EPConfig
-from ..errors import EPInputError
+from ..errors import EPInputError, EPTimeoutError, EPWorkerError
 from ..fp8 import quantize_fp8_torch
 from ..nvfp4 import quantize_nvfp4_torch
 from ..kernels.combine import combine_partials_torch, combine_sum_torch
@@ -77,11 +90,40 @@ class TorchTransport(Transport):
                        "nvfp4": quantize_nvfp4 if on_gpu else quantize_nvfp4_torch}.get(cfg.dispatch_dtype)
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-             async_op: bool = False):
+             async_op: bool = False, what: str = "dispatch"):
         # raw bytes: [rows, bytes per row]
         o = out.view(torch.uint8).view(out.shape[0], out.shape[1] * out.element_size())
         i = inp.contiguous().view(torch.uint8).view(inp.shape[0], inp.shape[1] * inp.element_size())
-        return dist.all_to_all_single(o, i, out_splits, in_splits, group=self.group, async_op=async_op)
+        with self._collective(what):
+            return dist.all_to_all_single(o, i, out_splits, in_splits, group=self.group, async_op=async_op)
+
+    @contextlib.contextmanager
+    def _collective(self, what: str):
+        """Turn a collective's failure into ray_ep's errors (module docstring)."""
+        try:
+            yield
+        except RuntimeError as e:  # gloo and NCCL raise RuntimeError (DistBackendError is one)
+            text = str(e)
+            peers = [r for r in range(self.cfg.world_size) if r != self.rank]
+            who = f"rank {peers[0]}" if len(peers) == 1 else f"one or more of ranks {peers}"
+            if "Timed out" in text or "timed out" in text:
+                raise EPTimeoutError(
+                    f"rank {self.rank}: {what} ({self.group_backend}) timed out after recv_timeout_s = "
+                    f"{self.cfg.recv_timeout_s:g} s: {who} did not take part (stalled, dead, slow in earlier "
+                    f"work or in another call). The group must be rebuilt") from e
+            if "closed" in text or "Connection" in text or "pair" in text or "abort" in text.lower():
+                raise EPWorkerError(
+                    f"rank {self.rank}: {what} ({self.group_backend}) broke: {text.splitlines()[0][-200:]}; "
+                    f"{who} gave up, died or timed out. The group must be rebuilt") from e
+            raise
+
+    def _wait(self, work, what: str) -> None:
+        with self._collective(what):
+            work.wait()
+
+    @property
+    def group_backend(self) -> str:
+        return str(dist.get_backend(self.group))
 
     def dispatch_send(self, x_TH, topk_ids_TK, topk_weights_TK, layout: DispatchLayout | None = None
                       ) -> _PendingDispatch:
@@ -92,7 +134,7 @@ class TorchTransport(Transport):
         # counts for each destination: [rows, rows per local expert of that destination]
         send_counts = torch.cat([layout.rank_counts_R[:, None], layout.expert_counts_E.view(R, L)], dim=1)
         counts = torch.empty_like(send_counts)
-        self._a2a(counts, send_counts, [1] * R, [1] * R)
+        self._a2a(counts, send_counts, [1] * R, [1] * R, what="dispatch (counts)")
         in_splits = layout.rank_counts_R.tolist()
         recv_splits = counts[:, 0].tolist()
         # permute: destination-major, token order inside (= slot order)
@@ -120,7 +162,7 @@ class TorchTransport(Transport):
 
     def dispatch_recv(self, pending: _PendingDispatch) -> DispatchHandle:
         for w in pending.works:
-            w.wait()
+            self._wait(w, "dispatch")
         row_base = _exclusive_cumsum(pending.recv_splits, self.device)
         recv = expert_major_torch(cfg=self.cfg, rank=self.rank, counts_RL1=pending.counts_RL1,
                                 meta_rows=pending.meta, row_base_R=row_base)
@@ -140,11 +182,11 @@ class TorchTransport(Transport):
         send = torch.cat(parts).to(wire) if parts else torch.empty(0, cfg.hidden_size, dtype=wire, device=self.device)
         out_splits = handle.layout.rank_counts_R.tolist()
         rows = torch.empty(sum(out_splits), cfg.hidden_size, dtype=wire, device=self.device)
-        work = self._a2a(rows, send, out_splits, in_splits, async_op=True)
+        work = self._a2a(rows, send, out_splits, in_splits, async_op=True, what="combine")
         return _PendingCombine(handle, rows, work)
 
     def combine_recv(self, pending: _PendingCombine, out_dtype, add_TH=None) -> torch.Tensor:
-        pending.work.wait()
+        self._wait(pending.work, "combine")
         h = pending.handle
         row_base = _exclusive_cumsum(h.layout.rank_counts_R.tolist(), self.device)
         return combine_sum_torch(rows_MH=pending.rows, row_base_R=row_base, token_slots_TR=h.layout.token_slots_TR,
@@ -153,7 +195,8 @@ class TorchTransport(Transport):
     def barrier(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        dist.barrier(group=self.group)
+        with self._collective("barrier"):
+            dist.barrier(group=self.group)
 
     def device_barrier(self) -> None:
         if self.device.type != "cuda":
@@ -161,4 +204,5 @@ class TorchTransport(Transport):
         # a one-element all-reduce on the current stream: the GPUs leave it together
         if not hasattr(self, "_one"):
             self._one = torch.ones(1, device=self.device)
-        dist.all_reduce(self._one, group=self.group)
+        with self._collective("device barrier"):
+            dist.all_reduce(self._one, group=self.group)
