@@ -47,6 +47,7 @@ import torch.distributed as dist
 from .config import BufferPlan, EPConfig, micro_batch_config, plan_buffers
 from .errors import EPConfigError, EPStateError, EPTimeoutError, EPWorkerError
 from .kernels.experts import ExpertScratch, LocalExperts, run_experts, shared_experts
+from .graphs import LayerGraphs
 from .pipeline import moe_micro_batched
 from .transport.base import Transport
 from .transport.torch_dist import TorchTransport
@@ -187,6 +188,7 @@ class EPCommunicator:
         self._parent: EPCommunicator | None = None
         self._children: list[EPCommunicator] = []
         self._micro: dict[int, list[EPCommunicator]] = {}
+        self._graphs: dict[str, LayerGraphs] = {}
         self._transports: dict[str, Transport] = {}
         self._scratch: ExpertScratch | None = None
         self._last_send: str | None = None
@@ -266,7 +268,7 @@ class EPCommunicator:
         child = object.__new__(EPCommunicator)
         child._group, child.device, child.rank = self._group, self.device, self.rank
         child.config, child.backend = config, _resolve_backend(config, self.device)
-        child._parent, child._children, child._transports, child._micro = self, [], {}, {}
+        child._parent, child._children, child._transports, child._micro, child._graphs = self, [], {}, {}, {}
         child._scratch, child._last_send, child._owns_nvshmem = None, None, False
         child._agree()
         if child.backend == "nvshmem":
@@ -414,12 +416,28 @@ class EPCommunicator:
 
     def moe(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
             experts: LocalExperts, *, out_dtype: torch.dtype | None = None, fused: bool = True,
-            validate: bool = True, backend: str | None = None, micro_batches: int | None = None) -> torch.Tensor:
+            validate: bool = True, backend: str | None = None, micro_batches: int | None = None,
+            cuda_graph: bool = False) -> torch.Tensor:
         """One MoE layer (dispatch, built-in experts, combine, shared experts); collective:
         every rank calls it, with 0 tokens if it has none. ``micro_batches`` (default: the
         config's) > 1 overlaps one micro-batch's communication with another's experts
-        (:mod:`ray_ep.pipeline`; the same output)."""
+        (:mod:`ray_ep.pipeline`; the same output). ``cuda_graph`` (GPUs): the layer is captured
+        once per token bucket and replayed (:mod:`ray_ep.graphs`; the same output)."""
         x, ids, w = self.prepare_inputs(x_TH, topk_ids_TK, topk_weights_TK, validate)
+        if cuda_graph:
+            if self.device.type != "cuda":
+                raise EPConfigError(f"rank {self.rank}: cuda_graph needs a CUDA device, this rank has {self.device}")
+            if (micro_batches or self.config.micro_batches) > 1:
+                raise EPConfigError("cuda_graph does not capture micro-batched layers yet: use micro_batches=1 "
+                                    "with cuda_graph=True")
+            od = self._out_dtype(out_dtype)
+
+            def layer(xg, idsg, wg):
+                return self.moe(xg, idsg, wg, experts, out_dtype=od, fused=fused, validate=False, backend=backend,
+                                micro_batches=micro_batches)
+
+            key = (id(experts), od, fused, backend, micro_batches)
+            return self.graphs(backend).moe(key, layer, x, ids, w, keep=experts)
         n = micro_batches or self.config.micro_batches
         if n > 1:
             parts = self.micro_batch_communicators(n)
@@ -429,6 +447,15 @@ class EPCommunicator:
         y = self.run_experts(h, experts)
         return self.combine(y, h, out_dtype=out_dtype, add_TH=shared_experts(x, experts), fused=fused,
                             backend=backend)
+
+    def graphs(self, backend: str | None = None) -> LayerGraphs:
+        """The CUDA graphs of whole layers this communicator captured (:meth:`moe` with
+        ``cuda_graph=True``): ``graphs().stats()`` counts captures and replays."""
+        self._check_open()
+        name = backend or self.backend
+        if name not in self._graphs:
+            self._graphs[name] = LayerGraphs(self.transport(name), self.config.max_tokens_per_rank)
+        return self._graphs[name]
 
     def micro_batch_communicators(self, n: int) -> list["EPCommunicator"]:
         """``n`` siblings with buffers for ``ceil(max_tokens_per_rank / n)`` tokens each, made on
@@ -461,7 +488,7 @@ class EPCommunicator:
             return
         for child in reversed(self._children):
             child.close()
-        self._children, self._micro = [], {}
+        self._children, self._micro, self._graphs = [], {}, {}
         transports, self._transports = self._transports, None
         self._scratch = None
         try:

@@ -491,12 +491,17 @@ class EPCluster:
     def forward(self, xs: Sequence[torch.Tensor], topk_ids: Sequence[torch.Tensor] | None = None,
                 topk_weights: Sequence[torch.Tensor] | None = None,
                 router_logits: Sequence[torch.Tensor] | None = None, fused: bool = True,
-                out_dtype: str = "bf16", layer: int = 0, micro_batches: int | None = None) -> list[torch.Tensor]:
+                out_dtype: str = "bf16", layer: int = 0, micro_batches: int | None = None,
+                cuda_graph: bool = False) -> list[torch.Tensor]:
         """A whole MoE layer on every rank. Give topk ids and weights, or router logits
         ([T_r, E] per rank, softmax top-k with renormalised weights). ``micro_batches`` (default:
-        the config's) > 1 overlaps the micro-batches' communication with their experts."""
+        the config's) > 1 overlaps the micro-batches' communication with their experts;
+        ``cuda_graph`` (GPU workers) replays the layer from CUDA graphs captured per token bucket."""
         g = self._need_group()
         _check_out_dtype(out_dtype)
+        if cuda_graph and self.backend != "nvshmem":
+            raise EPInputError(f"cuda_graph replays the GPU kernels: it needs GPU workers (backend nvshmem), this "
+                               f"cluster runs backend {self.backend!r}")
         if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
                                           or not 1 <= micro_batches <= 8):
             raise EPInputError(f"micro_batches must be an int from 1 to 8 (or None for the config's "
@@ -517,7 +522,7 @@ class EPCluster:
         self._phase = None
         return g.execute_per_rank("forward", [(x, i, w) for x, i, w in zip(xs, topk_ids, topk_weights)],
                                   [{"fused": fused, "out_dtype": out_dtype, "layer": layer, "validate": False,
-                                    "micro_batches": micro_batches}]
+                                    "micro_batches": micro_batches, "cuda_graph": bool(cuda_graph)}]
                                   * self.world_size)
 
     # ---- checks ------------------------------------------------------------------------------

@@ -177,6 +177,20 @@ def test_micro_batched_layer_matches_reference_and_serial(ep, routing, micro_bat
             torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
 
+def test_cuda_graph_needs_gpu_workers(ep2):
+    cfg = ep2.config
+    xs, ids, ws = inputs(cfg, 4, seed=10)
+    with pytest.raises(EPInputError, match="cuda_graph replays the GPU kernels"):
+        ep2.forward(xs, ids, ws, cuda_graph=True)
+
+
+def test_token_buckets():
+    from ray_ep.graphs import token_bucket
+
+    assert [token_bucket(t, 256) for t in (0, 1, 2, 3, 5, 8, 9, 200, 256)] == [1, 1, 2, 4, 8, 8, 16, 256, 256]
+    assert token_bucket(20, 24) == 24  # capped at max_tokens_per_rank
+
+
 @pytest.mark.parametrize("bad", [0, 9, 1.5, True, "2"])
 def test_bad_micro_batches_is_refused(ep2, bad):
     cfg = ep2.config

@@ -253,3 +253,40 @@ def test_cuda_graph_replay_with_a_silent_peer_times_out(cluster):
                 assert "timed out" in msg and "1" in msg, msg
     finally:
         cluster.call_workers("drop_group", name)
+
+
+def _graph_layers(worker, group: str, counts: list[int], dtype_seed: int) -> dict:
+    """The same layers eagerly and from CUDA graphs (captured per token bucket: the first call of
+    a bucket runs eagerly and captures, later ones replay), token counts changing every call."""
+    from ray_ep.inputs import rank_inputs
+
+    g = worker.group_state(group)
+    if 0 not in g.experts:
+        worker.load_experts(seed=0, group=group)
+    worst = 0.0
+    for i, n in enumerate(counts):
+        x, ids, w = rank_inputs(g.cfg, n, worker.rank, dtype_seed + i, ("uniform", "skewed")[i % 2],
+                                device=worker.device)
+        eager = worker.moe(x, ids, w, group=group, validate=False)
+        graph = worker.moe(x, ids, w, group=group, validate=False, cuda_graph=True)
+        if n:
+            worst = max(worst, ((graph.float() - eager.float()).abs().max()
+                                / eager.float().abs().max().clamp_min(1e-6)).item())
+    return {"max_rel_diff": worst, **g.comm.graphs().stats()}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_layer_from_cuda_graphs_equals_eager(cluster, dtype):
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    if cluster.config.n_nodes > 1:
+        pytest.skip("graph capture is checked on one node (NVLink stores)")
+    name = f"test/graph-layer/{dtype}"
+    cluster.call_workers("add_group", name, _group_cfg(cluster, "deepseek-v3", dtype))
+    try:
+        counts = [5, 7, 0, 64, 33, 8, 256, 1, 60, 200] * 2  # buckets 8, 1, 64, 256 ... revisited
+        res = cluster.run(_graph_layers, name, counts, 700)
+        for r in res:
+            assert r["max_rel_diff"] <= 1e-3, r
+            assert r["captures"] >= 4 and r["replays"] >= len(counts) - r["captures"], r
+    finally:
+        cluster.call_workers("drop_group", name)

@@ -324,27 +324,29 @@ class EPWorker:
 
     def forward(self, x_TH, topk_ids_TK, topk_weights_TK, fused: bool = True, backend: str | None = None,
                 out_dtype: str = "bf16", layer: int = 0, validate: bool = True,
-                micro_batches: int | None = None) -> torch.Tensor:
+                micro_batches: int | None = None, cuda_graph: bool = False) -> torch.Tensor:
         """One whole MoE layer on this rank's tokens; out [T, H] on CPU."""
         out = self.moe(x_TH, topk_ids_TK, topk_weights_TK, fused=fused, backend=backend,
-                       out_dtype=out_dtype, layer=layer, validate=validate, micro_batches=micro_batches)
+                       out_dtype=out_dtype, layer=layer, validate=validate, micro_batches=micro_batches,
+                       cuda_graph=cuda_graph)
         return out.cpu()
 
     def moe(self, x_TH, topk_ids_TK, topk_weights_TK, fused: bool = True, backend: str | None = None,
             out_dtype: str = "bf16", layer: int = 0, validate: bool = True, group: str = "main",
-            micro_batches: int | None = None) -> torch.Tensor:
+            micro_batches: int | None = None, cuda_graph: bool = False) -> torch.Tensor:
         """One MoE layer (dispatch, experts of ``layer``, combine, shared experts), output on this
         rank's device. Collective: every rank calls it (with 0 tokens if it has none), in the
         same order. ``micro_batches`` (default: the config's) > 1 overlaps the micro-batches'
-        communication with their experts (one "layer" phase in the stats)."""
+        communication with their experts; ``cuda_graph`` (GPUs) replays the layer from a CUDA
+        graph captured per token bucket (either: one "layer" phase in the stats)."""
         comm = self.group_state(group).comm
         experts = self._experts_of(layer, group)
         x, ids, w = comm.prepare_inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate)
         self._handle = self._y = None  # the phase-by-phase state does not survive a whole layer
-        if (micro_batches or comm.config.micro_batches) > 1:
+        if cuda_graph or (micro_batches or comm.config.micro_batches) > 1:
             with self.stats.phase("layer"):
                 return comm.moe(x, ids, w, experts, out_dtype=OUT_DTYPES[out_dtype], fused=fused, validate=False,
-                                backend=backend, micro_batches=micro_batches)
+                                backend=backend, micro_batches=micro_batches, cuda_graph=cuda_graph)
         with self.stats.phase("dispatch"):
             h = comm.dispatch(x, ids, w, fused=fused, validate=False, backend=backend)
         self.stats.count_tokens(h.recv.num_tokens_L, x.shape[0])
@@ -397,8 +399,13 @@ class EPWorker:
         self.stats.reset()
 
     def phase_stats(self) -> dict:
-        """Seconds and calls per phase, tokens seen, tokens per local expert since the last reset."""
-        return self.stats.snapshot()
+        """Seconds and calls per phase, tokens seen, tokens per local expert since the last reset;
+        ``graphs``: CUDA graphs of whole layers captured and replayed (main group)."""
+        snap = self.stats.snapshot()
+        comm = self.groups["main"].comm if "main" in self.groups else None
+        if comm is not None and not comm.closed and comm.device.type == "cuda":
+            snap["graphs"] = comm.graphs().stats()
+        return snap
 
     def barrier(self) -> None:
         self.transport("torch").barrier()
