@@ -837,7 +837,7 @@ def test_a_timeout_in_a_worker_fails_the_group(ray_session):
 
 
 def _scratch_rows(worker) -> int:
-    return worker.group_state().scratch.rows
+    return worker.group_state().comm.scratch.rows
 
 
 def test_cpu_expert_scratch_follows_the_rows_not_the_capacity(ray_session):
