@@ -47,6 +47,10 @@ def micro_batch_tokens(max_tokens_per_rank: int, parts: int) -> int:
     return -(-max_tokens_per_rank // parts)
 
 
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _comm_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _comm_streams:
@@ -87,10 +91,14 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
                 handles.append(t.dispatch(*p, fused=fused))
                 dispatched.append(torch.cuda.Event())
                 dispatched[-1].record(comm)
+        # the grouped GEMM is persistent (one program per SM it may use): under an SM budget it
+        # leaves the communication kernels' SMs free, or they would wait for it to finish
+        budget = transports[0].cfg.num_sms
+        gemm_sms = max(1, _sm_count(x_TH.device) - budget) if budget else None
         ys, adds, computed = [], [], []
         for h, s, p, ev in zip(handles, scratches, parts, dispatched):
             compute.wait_event(ev)
-            ys.append(run_experts(handle=h, experts=experts, scratch=s))
+            ys.append(run_experts(handle=h, experts=experts, scratch=s, num_sms=gemm_sms))
             adds.append(shared_experts(p[0], experts))
             computed.append(torch.cuda.Event())
             computed[-1].record(compute)

@@ -286,7 +286,9 @@ def test_layer_from_cuda_graphs_equals_eager(cluster, dtype):
         counts = [5, 7, 0, 64, 33, 8, 256, 1, 60, 200] * 2  # buckets 8, 1, 64, 256 ... revisited
         res = cluster.run(_graph_layers, name, counts, 700)
         for r in res:
-            assert r["max_rel_diff"] <= 1e-3, r
+            # not bitwise: the shared expert's cuBLAS GEMM over the bucket's rows may tile (and so
+            # round) differently from one over the T real rows; a bf16 ulp is 2^-8 = 3.9e-3
+            assert r["max_rel_diff"] <= 1e-2, r
             assert r["captures"] >= 4 and r["replays"] >= len(counts) - r["captures"], r
     finally:
         cluster.call_workers("drop_group", name)
