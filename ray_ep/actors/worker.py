@@ -29,7 +29,7 @@ from ..transport.base import Transport
 from ..transport.nvshmem import NO_MULTICAST_ENV
 from ..types import DispatchHandle
 from ..validation import validate_moe_inputs
-from ..weights import init_expert_weights
+from ..weights import ExpertWeights, init_expert_weights
 from .group import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -224,24 +224,23 @@ class EPWorker:
         if g is not None:
             g.close()
 
-    def load_experts(self, seed: int | None = 0, weights: dict[str, torch.Tensor] | None = None,
+    def load_experts(self, seed: int | None = 0, weights: ExpertWeights | None = None,
                      layer: int = 0, group: str = "main", draw_on_device: bool = False) -> int:
         """Experts of MoE layer ``layer``: seeded random (this rank's slice of the world's), or
-        given local tensors (keys of :class:`LocalExperts`, already sharded to this rank).
-        Returns the bytes loaded."""
+        given :class:`ExpertWeights` already sharded to this rank (L routed experts; bf16 or
+        fp8 with block scales, converted to the config's ``expert_dtype``). Returns the bytes
+        loaded."""
         g = self.group_state(group)
         cfg = g.cfg
         if weights is None:
-            w = init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(cfg), device=self.device,
-                                    draw_on_device=draw_on_device)
-            experts = LocalExperts(w.w_gate_up, w.w_down, w.shared_gate_up, w.shared_down)
-        else:
-            experts = LocalExperts(**{k: v.to(self.device, torch.bfloat16) for k, v in weights.items()})
+            weights = init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(cfg), device=self.device,
+                                          draw_on_device=draw_on_device)
+        experts = LocalExperts.build(cfg, weights, self.device)
         experts.check(cfg)
         g.experts[layer] = experts
         if g.scratch is None:
             g.scratch = ExpertScratch.allocate(cfg, self.device)
-        return sum(t.numel() * t.element_size() for t in vars(experts).values())
+        return sum(t.numel() * t.element_size() for t in vars(experts).values() if t is not None)
 
     def _local_expert_ids(self, cfg: EPConfig) -> range:
         L = cfg.experts_per_rank
