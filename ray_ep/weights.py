@@ -12,7 +12,7 @@ experts this way and calls the scale ``weight_scale_inv``). Shared experts are a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -50,6 +50,13 @@ class ExpertWeights:
         """True when the routed experts are fp8 with block scales."""
         return self.w_gate_up.dtype == torch.float8_e4m3fn
 
+    def __reduce__(self):
+        # torch pickles a tensor's storage through a path that has no float8 (unpickling fails
+        # in the workers): fp8 tensors travel as their bytes (same strides) and are viewed back
+        parts = [(t.view(torch.uint8), True) if isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn
+                 else (t, False) for t in (getattr(self, f.name) for f in fields(self))]
+        return _rebuild_expert_weights, (parts,)
+
     def local(self, rank: int, experts_per_rank: int) -> "ExpertWeights":
         """The slice of routed experts that ``rank`` holds (shared experts are replicated)."""
         sl = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
@@ -82,6 +89,10 @@ class ExpertWeights:
         return ExpertWeights(dequantize_fp8_blocks_torch(self.w_gate_up, self.w_gate_up_scales, torch.float32),
                              dequantize_fp8_blocks_torch(self.w_down, self.w_down_scales, torch.float32),
                              self.shared_gate_up, self.shared_down)
+
+
+def _rebuild_expert_weights(parts: list) -> ExpertWeights:
+    return ExpertWeights(*(t.view(torch.float8_e4m3fn) if fp8 else t for t, fp8 in parts))
 
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
