@@ -36,8 +36,11 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3-decode": {"model": "deepseek-v3", "tokens": 128, "dtypes": ["fp8", "bf16"]},
     "qwen3-moe-prefill": {"model": "qwen3-moe", "tokens": 4096, "dtypes": ["bf16"]},
     "mixtral-prefill": {"model": "mixtral", "tokens": 4096, "dtypes": ["bf16"]},
-    "tiny": {"model": "tiny", "tokens": 32, "dtypes": ["bf16", "fp8"]},
+    # F 128 instead of the model preset's 64, so --expert-dtype fp8 runs here too (its GEMMs
+    # reduce over whole 128 x 128 weight blocks)
+    "tiny": {"model": "tiny", "tokens": 32, "dtypes": ["bf16", "fp8"], "overrides": {"intermediate_size": 128}},
 }
+EXPERT_DTYPES = ("bf16", "fp8")  # what --expert-dtype takes (EPConfig.expert_dtype)
 DISPATCH_DTYPES = ("bf16", "fp8", "nvfp4")  # what --dispatch-dtype takes (EPConfig.dispatch_dtype)
 # Table labels of run_bench's backends, by what ran: the torch backend's pipeline runs over NCCL on
 # GPUs and over gloo on CPU workers.
@@ -75,6 +78,12 @@ class BenchRow:
     misplaced_rows: int = 0
     topology: str = ""
     """n_nodes x gpus_per_node, e.g. 1x4 (one node) or 2x2 (other-node ranks get NVSHMEM puts)."""
+    experts: str = "-"
+    """Layer and GEMM rows: the routed experts' weight dtype (bf16 or fp8); '-' otherwise."""
+    tflops: float | None = None
+    """GEMM rows: TFLOP/s of the two expert GEMMs per rank (mean over ranks of flops / median)."""
+    weight_gbps: float | None = None
+    """GEMM rows: routed expert weight bytes / median per rank (the decode bound: weights read once)."""
 
 
 @dataclass
@@ -83,14 +92,17 @@ class BenchResult:
     meta: dict = field(default_factory=dict)
 
     def table(self) -> str:
-        head = (f"{'preset':<21}{'backend':<15}{'topo':<5}{'op':<11}{'dtype':<6}{'routing':<9}{'T/rank':>7}{'SMs':>5}"
-                f"{'median us':>11}{'p10':>9}{'p90':>9}{'remote GB/s':>12}{'recv GB/s':>10}{'check':>10}")
+        head = (f"{'preset':<21}{'backend':<15}{'topo':<5}{'op':<11}{'dtype':<6}{'wts':<5}{'routing':<9}{'T/rank':>7}"
+                f"{'SMs':>5}{'median us':>11}{'p10':>9}{'p90':>9}{'remote GB/s':>12}{'recv GB/s':>10}{'check':>10}"
+                f"{'TFLOP/s':>9}{'wt GB/s':>9}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             chk = "-" if r.check_error is None else (f"{r.check_error:.1e}" if r.misplaced_rows == 0 else "MISPLACED")
-            lines.append(f"{r.preset:<21}{r.backend:<15}{r.topology:<5}{r.op:<11}{r.dtype:<6}{r.routing:<9}{r.tokens:>7}{r.sms:>5}"
-                         f"{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}{r.remote_gbps:>12.2f}"
-                         f"{r.received_gbps:>10.2f}{chk:>10}")
+            tf = "-" if r.tflops is None else f"{r.tflops:.1f}"
+            wg = "-" if r.weight_gbps is None else f"{r.weight_gbps:.0f}"
+            lines.append(f"{r.preset:<21}{r.backend:<15}{r.topology:<5}{r.op:<11}{r.dtype:<6}{r.experts:<5}{r.routing:<9}"
+                         f"{r.tokens:>7}{r.sms:>5}{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}"
+                         f"{r.remote_gbps:>12.2f}{r.received_gbps:>10.2f}{chk:>10}{tf:>9}{wg:>9}")
         if self.meta:
             lines.append(f"# {self.meta.get('device', '?')} x{self.meta.get('world_size', '?')}, "
                          f"commit {self.meta.get('commit', '?')}, {self.meta.get('iters', '?')} iterations")
@@ -147,11 +159,14 @@ def _plot(res: BenchResult, path: str) -> None:
     tokens_of = {p: sorted({r.tokens for r in main if r.preset == p}) for p in presets}
     sweep = any(len(t) > 1 for t in tokens_of.values())
     routings = list(dict.fromkeys(r.routing for r in main))
-    dtypes = list(dict.fromkeys(r.dtype for r in main))
+    def dtype_of(r: BenchRow) -> str:  # layer rows with fp8 experts are a series of their own
+        return r.dtype if r.experts in ("-", "bf16") else f"{r.dtype} {r.experts} experts"
+
+    dtypes = list(dict.fromkeys(dtype_of(r) for r in main))
 
     # series: (backend, dtype, routing), plus the preset when lines of several presets share an axis
     def key(r: BenchRow) -> tuple:
-        return (r.preset if sweep and len(presets) > 1 else "", r.backend, r.dtype, r.routing)
+        return (r.preset if sweep and len(presets) > 1 else "", r.backend, dtype_of(r), r.routing)
 
     # ray_ep beside the pipeline for each dtype: order by (dtype, routing, backend)
     rank_of = {b: i for i, b in enumerate(_STYLE)}
@@ -276,12 +291,17 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
     remote = statistics.mean(r["remote_rows"] for r in per_rank) * nbytes_per_row
     received = statistics.mean(r["received_rows"] for r in per_rank) * nbytes_per_row
     checks = [r["check_error"] for r in per_rank]
+    gemm = {}
+    if op.startswith("gemm"):  # us -> TFLOP/s: flops / us / 1e6; bytes / us / 1e3 -> GB/s
+        gemm = dict(tflops=statistics.mean(r["gemm_flops"] / m / 1e6 if m else 0.0 for r, m in zip(per_rank, medians)),
+                    weight_gbps=statistics.mean(r["weight_bytes"] / m / 1e3 if m else 0.0
+                                                for r, m in zip(per_rank, medians)))
     return BenchRow(op=op, world_size=cfg.world_size, topology=f"{cfg.n_nodes}x{cfg.gpus_per_node}",
                     median_us=slowest, p10_us=_pct(samples, 0.1), p90_us=_pct(samples, 0.9), per_rank_median_us=medians,
                     remote_gbps=remote / slowest / 1e3 if slowest else 0.0,
                     received_gbps=received / slowest / 1e3 if slowest else 0.0,
                     check_error=max(checks) if op in ("dispatch", "combine") else None,
-                    misplaced_rows=sum(r["misplaced_rows"] for r in per_rank), **labels)
+                    misplaced_rows=sum(r["misplaced_rows"] for r in per_rank), **gemm, **labels)
 
 
 class _Progress:
@@ -353,7 +373,7 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
               tokens: Sequence[int] | None = None, routing: Sequence[str] = ("uniform",), iters: int = 50,
               warmup: int = 5, num_sms: int | Sequence[int | None] | None = None, fused: bool = True,
               layer: bool = False, baselines: bool = True, progress: bool = True, seed: int = 0,
-              dtypes: Sequence[str] | None = None) -> BenchResult:
+              dtypes: Sequence[str] | None = None, expert_dtypes: Sequence[str] = ("bf16",)) -> BenchResult:
     """Benchmark ``presets`` (names of BENCH_PRESETS) on a started cluster.
 
     backends: ``nvshmem`` (ray_ep's kernels) and/or ``torch`` (the NCCL / gloo pipeline);
@@ -362,8 +382,14 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
     kernels, or a list of budgets (a sweep; None = all SMs). ``layer`` adds whole-MoE-layer rows (loads
     seeded experts). ``baselines`` adds raw all_to_all and the peer copy (GPUs only).
     ``progress``: a progress line on stderr. dtypes: the dispatch dtypes of every preset's rows
-    (bf16, fp8, nvfp4; default: each preset's own list).
+    (bf16, fp8, nvfp4; default: each preset's own list). expert_dtypes: the routed expert weight
+    dtypes of the ``layer`` rows (bf16, fp8; each gets its layer, ``gemm`` and, where torch has
+    one, ``gemm-torch`` rows).
     """
+    expert_dtypes = list(expert_dtypes)
+    bad = [e for e in expert_dtypes if e not in EXPERT_DTYPES] or ([] if expert_dtypes else ["(none)"])
+    if bad:
+        raise ValueError(f"unknown expert dtype {bad[0]!r}; choose from {list(EXPERT_DTYPES)}")
     for p in presets:
         if p not in BENCH_PRESETS:
             raise ValueError(f"unknown benchmark preset {p!r}; choose from {sorted(BENCH_PRESETS)}")
@@ -391,12 +417,14 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
                         # the torch pipeline has no SM budget: it runs once, not per budget
                         for sms in (budgets if b == "nvshmem" else [None]):
                             plan.append((p, dt, b, rt, T, sms))
-    bar = _Progress(len(plan) * (2 if layer else 1) + (len(presets) + 1 if baselines and on_gpu else 0), progress)
+    bar = _Progress(len(plan) * (1 + len(expert_dtypes) if layer else 1)
+                    + (len(presets) + 1 if baselines and on_gpu else 0), progress)
     try:
         for p in presets:
             _run_preset(cluster, result, bar, p, [c for c in plan if c[0] == p], tokens=tokens, iters=iters,
                         warmup=warmup, fused=fused, layer=layer, baselines=baselines and on_gpu, seed=seed,
-                        device_sms=result.meta.get("sms"), gpu_workers=gpu_workers)
+                        device_sms=result.meta.get("sms"), gpu_workers=gpu_workers,
+                        expert_dtypes=expert_dtypes if layer else expert_dtypes[:1])
         if baselines and on_gpu and base.gpus_per_node >= 2:  # a pair on one node
             bar.start("copy-engine peer copy, one GPU pair")
             per_rank = cluster.run(run_row, "peer_copy", nbytes=256 * 2**20, iters=iters, warmup=warmup)
@@ -415,19 +443,21 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
 
 def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str, plan: list[tuple], *,
                 tokens, iters: int, warmup: int, fused: bool, layer: bool, baselines: bool, seed: int,
-                device_sms, gpu_workers: bool) -> None:
-    """The rows of one preset: per dispatch dtype and SM budget a worker group of its own,
-    dropped afterwards."""
+                device_sms, gpu_workers: bool, expert_dtypes: Sequence[str]) -> None:
+    """The rows of one preset: per dispatch dtype, SM budget and expert dtype a worker group of
+    its own, dropped afterwards. Dispatch and combine rows come from the first expert dtype's
+    group only (the expert weights do not change them)."""
     spec = BENCH_PRESETS[p]
     base = cluster.config
     n_max = max(list(tokens) if tokens else [spec["tokens"]])
     groups = list(dict.fromkeys((c[1], c[5]) for c in plan))  # (dtype, budget) in plan order
-    for dt, num_sms in groups:
-        cfg = EPConfig.preset(spec["model"], n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node,
-                              max_tokens_per_rank=n_max, dispatch_dtype=dt, num_sms=num_sms,
-                              recv_timeout_s=base.recv_timeout_s)
+    for (dt, num_sms), edt in ((g, e) for g in groups for e in expert_dtypes):
+        first = edt == expert_dtypes[0]
+        cfg = EPConfig.preset(spec["model"], **{**spec.get("overrides", {}), **dict(
+            n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node, max_tokens_per_rank=n_max, dispatch_dtype=dt,
+            num_sms=num_sms, recv_timeout_s=base.recv_timeout_s, expert_dtype=edt)})
         sms_label = str(num_sms or device_sms or "-")
-        name = f"bench/{p}/{dt}/{num_sms or 'all'}"
+        name = f"bench/{p}/{dt}/{num_sms or 'all'}/{edt}"
         bar.start(f"{p} {dt}{f' at {num_sms} SMs' if num_sms else ''}: allocating buffers")
         cluster.require_memory(cfg, what=f"the {p} {dt} rows", symmetric=True, layers=int(layer), scratch=layer)
         cluster.call_workers("add_group", name, cfg)
@@ -439,19 +469,23 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
                 labels = dict(preset=p, backend=backend_label(b, gpu_workers), dtype=dt, routing=rt, tokens=T,
                               sms=sms_label if b == "nvshmem" else "-")
                 case = f"{p} {labels['backend']} {dt} {rt} T={T}"
-                bar.start(f"{case}: dispatch + combine")
-                per_rank = cluster.run(run_row, "comm", group=name, backend=b, num_tokens=T, routing=rt,
-                                       seed=seed, iters=iters, warmup=warmup, fused=fused)
-                result.rows.append(aggregate(per_rank, "dispatch", cfg, row_bytes(cfg, "dispatch"), **labels))
-                result.rows.append(aggregate(per_rank, "combine", cfg, row_bytes(cfg, "combine"), **labels))
-                bar.done()
+                if first:
+                    bar.start(f"{case}: dispatch + combine")
+                    per_rank = cluster.run(run_row, "comm", group=name, backend=b, num_tokens=T, routing=rt,
+                                           seed=seed, iters=iters, warmup=warmup, fused=fused)
+                    result.rows.append(aggregate(per_rank, "dispatch", cfg, row_bytes(cfg, "dispatch"), **labels))
+                    result.rows.append(aggregate(per_rank, "combine", cfg, row_bytes(cfg, "combine"), **labels))
+                    bar.done()
                 if layer:
-                    bar.start(f"{case}: MoE layer")
+                    bar.start(f"{case}: MoE layer, {edt} experts")
                     per_rank = cluster.run(run_row, "layer", group=name, backend=b, num_tokens=T,
                                            routing=rt, seed=seed, iters=iters, warmup=warmup)
-                    result.rows.append(aggregate(per_rank, "layer", cfg, row_bytes(cfg, "dispatch"), **labels))
+                    for op in ("layer", "gemm", "gemm-torch"):  # GEMM rows move no dispatch bytes
+                        if op in per_rank[0]["times_us"]:
+                            nbytes = row_bytes(cfg, "dispatch") if op == "layer" else 0
+                            result.rows.append(aggregate(per_rank, op, cfg, nbytes, experts=edt, **labels))
                     bar.done()
-            if baselines and (dt, num_sms) == groups[0]:
+            if baselines and first and (dt, num_sms) == groups[0]:
                 bar.start(f"{p}: all_to_all_single, equal splits")
                 per_rank = cluster.run(run_row, "all_to_all", group=name, rows_per_peer=n_max,
                                        iters=iters, warmup=warmup)
@@ -491,7 +525,11 @@ def add_arguments(parser) -> None:
                         help="SM budget of the communication kernels, or a comma list (a sweep, e.g. 16,24,32; "
                              "'all' = no budget)")
     parser.add_argument("--split", action="store_true", help="time the split send/recv forms instead of fused")
-    parser.add_argument("--layer", action="store_true", help="also time whole MoE layers (experts included)")
+    parser.add_argument("--layer", action="store_true",
+                        help="also time whole MoE layers (experts included) and their grouped GEMMs beside torch's")
+    parser.add_argument("--expert-dtype", dest="expert_dtype", default="bf16",
+                        help="comma list of bf16,fp8: the routed expert weight dtypes of the --layer rows "
+                             "(fp8: e4m3 with one scale per 128 x 128 block)")
     parser.add_argument("--no-baselines", action="store_true", help="skip raw all_to_all and the peer copy")
     parser.add_argument("--json", help="write every figure to this JSON file")
     parser.add_argument("--plot", help="write a figure of time and remote bandwidth per operation to this PNG "
@@ -576,6 +614,12 @@ def run_from_args(args) -> int:
         print(f"ray-ep bench: --dispatch-dtype: unknown {', '.join(bad)}; choose from {','.join(DISPATCH_DTYPES)}",
               file=sys.stderr)
         return 2
+    expert_dtypes = [e for e in args.expert_dtype.split(",") if e]
+    bad = [e for e in expert_dtypes if e not in EXPERT_DTYPES] or ([] if expert_dtypes else ["(none)"])
+    if bad:
+        print(f"ray-ep bench: --expert-dtype: unknown {', '.join(bad)}; choose from {','.join(EXPERT_DTYPES)}",
+              file=sys.stderr)
+        return 2
     progress = not args.quiet
     ep = EPCluster(cfg, address=args.address, check_memory=not args.no_memory_check)
     log_level = logging.getLogger("ray_ep").level
@@ -593,7 +637,8 @@ def run_from_args(args) -> int:
             res = run_bench(ep, presets=presets, backends=backends, tokens=tokens,
                                      routing=args.routing.split(","), iters=args.iters, warmup=args.warmup,
                                      num_sms=args.num_sms, fused=not args.split, layer=args.layer,
-                                     baselines=not args.no_baselines, progress=progress, dtypes=dtypes)
+                                     baselines=not args.no_baselines, progress=progress, dtypes=dtypes,
+                                     expert_dtypes=expert_dtypes)
     except KeyboardInterrupt:
         _mute_ray_ep_logs()
         ep.shutdown(kill=True)  # idempotent: whatever a Ctrl-C inside start() or shutdown() left
