@@ -382,7 +382,8 @@ class EPWorker:
         g = self.group_state(group)
         cfg = g.cfg
         self.load_experts(seed=expert_seed, layer=CHECK_LAYER, group=group)
-        key = (cfg.hidden_size, cfg.intermediate_size, cfg.n_experts, cfg.n_shared_experts, expert_seed)
+        key = (cfg.hidden_size, cfg.intermediate_size, cfg.n_experts, cfg.n_shared_experts, cfg.expert_dtype,
+               expert_seed)
         if self._ref_weights[0] != key:  # the whole world's experts, for the reference (CPU)
             self._ref_weights = (key, init_expert_weights(cfg, seed=expert_seed))
         weights = self._ref_weights[1]
