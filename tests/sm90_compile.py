@@ -11,8 +11,10 @@ With --nvfp4 it also compiles the nvfp4 quantise / dequantise kernels and the gr
 unpacks nvfp4 rows (their launches are recorded the same way).
 
 With --fp8-experts it compiles only the expert kernels with fp8 weights (grouped GEMMs and
-the SwiGLU with fp8 output). Each line names the tensor-core instructions the kernel uses
-(wgmma=e4m3 for fp8 operands).
+the SwiGLU with fp8 output), specialised as the JIT would for the recorded arguments (strides
+of 1, 16-byte alignment), so the shared memory shows the GEMM's pipeline stages. Each line
+names the tensor-core instructions the kernel uses (wgmma=e4m3 for fp8 operands) and its
+shared memory in bytes.
 
 Prints one line per kernel and exits 1 when one fails. Must run without TRITON_INTERPRET
 (tests/test_kernels_sm90.py starts it in a subprocess).
@@ -136,7 +138,7 @@ def record_fp8_expert_launches() -> list[tuple]:
     from ray_ep.nvfp4 import quantize_nvfp4_torch
 
     def body():
-        H, O, rows = 256, 256, 64
+        H, O, rows = 1024, 256, 64  # a K loop of 8 blocks: long enough to pipeline
         x = torch.zeros(rows, H, dtype=torch.bfloat16)
         q, s = quantize_fp8_blocks_torch(torch.zeros(2, H, O))
         b = q.transpose(1, 2).contiguous().transpose(1, 2)  # K-major, as LocalExperts holds it
@@ -170,20 +172,30 @@ def _wgmma(ptx: str) -> str:
     return "+".join(kinds) or "no"
 
 
-def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None = None):
+def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None = None, specialize: bool = False):
+    """A cubin of ``kernel`` for sm_90. ``specialize``: as Triton's JIT does at a launch, an
+    integer argument equal to 1 becomes a constant and pointers and integers divisible by 16
+    carry that hint, so strides of 1 make contiguous (vectorised, pipelined) loads as on a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig, constexprs = {}, {}
-    for name in kernel.arg_names:
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
         if name in meta:
             continue
         a = args[name]
         if isinstance(a, torch.Tensor):
             sig[name] = "*" + _DTYPES[a.dtype]
+            if specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif specialize and int(a) == 1:
+            sig[name] = "constexpr"
+            constexprs[name] = 1
         else:
             sig[name] = "i64" if abs(int(a)) >= 2**31 else "i32"
+            if specialize and int(a) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     for name, v in meta.items():
         sig[name] = "constexpr"
         constexprs[name] = v
@@ -191,7 +203,7 @@ def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None =
     opts = {"num_warps": 4, **(options or {})}
     if meta.get("REMOTE"):
         opts["extern_libs"] = {"libnvshmem_device": bitcode}
-    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 
@@ -235,9 +247,10 @@ def main() -> int:
             continue
         done.add(key)
         try:
-            ck = compile_sm90(kernel, args, meta, bitcode, options)
+            ck = compile_sm90(kernel, args, meta, bitcode, options, specialize=a.fp8_experts)
             print(f"OK   {kernel.fn.__name__:<28} {len(ck.asm['cubin']):>8} B cubin, "
-                  f"nvshmem={'nvshmem' in ck.asm['ptx']}, wgmma={_wgmma(ck.asm['ptx'])}")
+                  f"nvshmem={'nvshmem' in ck.asm['ptx']}, wgmma={_wgmma(ck.asm['ptx'])}, "
+                  f"shared={ck.metadata.shared}")
         except Exception:  # noqa: BLE001 - report every kernel
             failed += 1
             print(f"FAIL {kernel.fn.__name__}\n{traceback.format_exc()}")
