@@ -60,9 +60,8 @@ class ExpertWeights:
     def local(self, rank: int, experts_per_rank: int) -> "ExpertWeights":
         """The slice of routed experts that ``rank`` holds (shared experts are replicated)."""
         sl = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
-        cut = (lambda t: t[sl] if t is not None else None)
-        return ExpertWeights(self.w_gate_up[sl], self.w_down[sl], self.shared_gate_up, self.shared_down,
-                             cut(self.w_gate_up_scales), cut(self.w_down_scales))
+        scales = [t[sl] if t is not None else None for t in (self.w_gate_up_scales, self.w_down_scales)]
+        return ExpertWeights(self.w_gate_up[sl], self.w_down[sl], self.shared_gate_up, self.shared_down, *scales)
 
     def to_expert_dtype(self, expert_dtype: str) -> "ExpertWeights":
         """The routed experts as ``expert_dtype`` wants them: "fp8" quantises float weights per
@@ -274,14 +273,16 @@ def load_deepseek_experts(path: str | Path | Sequence[str | Path], cfg: EPConfig
             raise EPInputError(f"{path}: layer {layer} {part}: mixed fp8 and float projections")
         return torch.cat([g, u]).t(), d.t(), torch.cat([gs, us]).t(), ds.t()
 
+    if cfg.n_shared_experts > 1:
+        raise EPInputError(f"DeepSeek-V3 checkpoints hold one shared expert per layer (as one wide MLP); "
+                           f"n_shared_experts = {cfg.n_shared_experts}")
+    if not ids:
+        raise EPInputError("experts must name at least one routed expert to load")
     try:
         routed = [expert(f"experts.{e}", False) for e in ids]
         shared = [expert("shared_experts", True)] if cfg.n_shared_experts else []
     finally:
         opened.clear()
-    if cfg.n_shared_experts > 1:
-        raise EPInputError(f"DeepSeek-V3 checkpoints hold one shared expert per layer (as one wide MLP); "
-                           f"n_shared_experts = {cfg.n_shared_experts}")
     H, Fi = cfg.hidden_size, cfg.intermediate_size
 
     def stack(parts: list, i: int) -> torch.Tensor | None:
