@@ -12,7 +12,7 @@ from .errors import (EPClusterError, EPConfigError, EPError, EPInputError, EPOve
                      EPTimeoutError, EPWorkerError)
 from .inputs import make_inputs
 from .routing import route
-from .weights import ExpertWeights, init_expert_weights
+from .weights import ExpertWeights, init_expert_weights, load_deepseek_experts
 
 __version__ = "0.1.0"
 
@@ -31,6 +31,6 @@ __all__ = [
     "BufferPlan", "CheckReport", "EPCluster", "EPClusterError", "EPCommunicator", "EPConfig", "EPConfigError",
     "EPError", "EPInputError", "EPOverflowError", "EPStateError", "EPTimeoutError", "EPWorkerError", "ExpertWeights",
     "PRESETS",
-    "init_expert_weights", "make_inputs", "plan_buffers", "route", "__version__",
+    "init_expert_weights", "load_deepseek_experts", "make_inputs", "plan_buffers", "route", "__version__",
     "bench", "serving", "reference", "nn",
 ]

@@ -54,7 +54,7 @@ def _config_from(args: argparse.Namespace, default_world: int) -> EPConfig:
         overrides.update(n_nodes=n_nodes, gpus_per_node=per_node)
     elif args.gpus or args.world:
         overrides.update(n_nodes=1, gpus_per_node=args.gpus or args.world)
-    for field in ("dispatch_dtype", "backend", "max_tokens_per_rank"):
+    for field in ("dispatch_dtype", "expert_dtype", "backend", "max_tokens_per_rank"):
         v = getattr(args, field, None)
         if v is not None:
             overrides[field] = v
@@ -78,6 +78,8 @@ def _topology_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=positive_int, help="ranks on one node (alias of --gpus, for CPU workers)")
     p.add_argument("--topology", help="NODESxGPUS, e.g. 2x4")
     p.add_argument("--dispatch-dtype", dest="dispatch_dtype", choices=["bf16", "fp8", "nvfp4"])
+    p.add_argument("--expert-dtype", dest="expert_dtype", choices=["bf16", "fp8"],
+                   help="routed expert weights: bf16 or fp8 with 128 x 128 block scales (default bf16)")
     p.add_argument("--max-tokens", dest="max_tokens_per_rank", type=int, help="max_tokens_per_rank (N_max)")
 
 
@@ -85,7 +87,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _config_from(args, default_world=2)
     plan = plan_buffers(cfg)
     print(f"{args.config or args.preset}: {cfg.n_nodes} node(s) x {cfg.gpus_per_node} GPU(s), H={cfg.hidden_size}, "
-          f"E={cfg.n_experts}, K={cfg.top_k}, N_max={cfg.max_tokens_per_rank}, dispatch {cfg.dispatch_dtype}")
+          f"E={cfg.n_experts}, K={cfg.top_k}, N_max={cfg.max_tokens_per_rank}, dispatch {cfg.dispatch_dtype}"
+          + (f", {cfg.expert_dtype} experts" if cfg.expert_dtype != "bf16" else ""))
     print(plan.table())
     print(f"symmetric memory per GPU: {plan.total_bytes / 2**20:.1f} MiB ({plan.total_bytes} bytes)")
     print()

@@ -93,6 +93,11 @@ class EPConfig(BaseModel):
     nvfp4: e2m1 values packed two per byte with one e4m3 scale per 16 channels (and a fixed
     per-tensor scale of 1), see :mod:`ray_ep.nvfp4`; fp32 / fp64 (backend 'torch' only) move
     rows at full precision (CPU training, gradcheck)."""
+    expert_dtype: Literal["bf16", "fp8"] = "bf16"
+    """Routed expert weights on the device: bf16; or fp8 e4m3 with one fp32 scale per 128 x 128
+    block of each weight (the DeepSeek-V3 layout), multiplied on fp8 tensor cores with the
+    activations quantised per 128 channels. Given weights are converted to it at load
+    (bf16 quantised per block, fp8 dequantised); shared experts stay bf16."""
     combine_dtype: Literal["bf16", "fp32", "fp64"] = "bf16"
     """Row format of expert outputs on the wire for combine (fp32 for exactness checks; fp64,
     backend 'torch' only, for float64 gradient checks)."""
@@ -182,6 +187,14 @@ class EPConfig(BaseModel):
                 f"dispatch_dtype 'nvfp4' needs hidden_size % {NVFP4_BLOCK} == 0 (one e4m3 scale per "
                 f"{NVFP4_BLOCK} channels), got hidden_size = {self.hidden_size}; use bf16 or pad H"
             )
+        if self.expert_dtype == "fp8":
+            for name, size in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
+                if size % FP8_GROUP:
+                    raise ValueError(
+                        f"expert_dtype 'fp8' needs {name} % {FP8_GROUP} == 0 (it is the reduction "
+                        f"dim of a GEMM with one scale per {FP8_GROUP} x {FP8_GROUP} weight block), got "
+                        f"{name} = {size}; use expert_dtype 'bf16' or a multiple of {FP8_GROUP}"
+                    )
         for field, dtype in (("dispatch_dtype", self.dispatch_dtype), ("combine_dtype", self.combine_dtype)):
             if dtype in TORCH_ONLY_DTYPES[field] and self.backend != "torch":
                 raise ValueError(
@@ -377,9 +390,11 @@ class MemoryPlan:
     symmetric: int
     """The symmetric buffers (:class:`BufferPlan`)."""
     experts_per_layer: int
-    """One MoE layer's routed experts of this rank (L of them) plus the shared ones, bf16."""
+    """One MoE layer's routed experts of this rank (L of them, bf16; or fp8 plus one fp32
+    scale per 128 x 128 block) plus the shared ones (bf16)."""
     scratch: int
-    """Expert intermediates for the largest receive (max_recv_rows x (2F + F + H), bf16)."""
+    """Expert intermediates for the largest receive (max_recv_rows x (2F + F + H), bf16; with
+    fp8 experts the F-wide SwiGLU output is fp8 plus one fp32 scale per 128 channels)."""
     workspace: int
     """Receive description, epochs, counters, per-program tables (small)."""
     host_build: int
@@ -429,14 +444,19 @@ def _plan_memory(cfg: EPConfig) -> MemoryPlan:
     H, Fi, L, S, E = cfg.hidden_size, cfg.intermediate_size, cfg.experts_per_rank, cfg.n_shared_experts, cfg.n_experts
     bf16 = DTYPE_BYTES["bf16"]
     expert = 3 * H * Fi * bf16  # gate_up [H, 2F] and down [F, H]
+    routed, a_row = expert, Fi * bf16  # bytes of one routed expert and of one SwiGLU output row
+    if cfg.expert_dtype == "fp8":
+        blocks = 3 * (H // FP8_GROUP) * (Fi // FP8_GROUP)
+        routed = 3 * H * Fi * DTYPE_BYTES["fp8"] + blocks * DTYPE_BYTES["fp32"]
+        a_row = Fi * DTYPE_BYTES["fp8"] + Fi // FP8_GROUP * DTYPE_BYTES["fp32"]
     M, R = cfg.max_recv_rows, cfg.world_size
     # RecvLayout (M + L + 1 + L + R L + R int32), scratch tables (4 per SM, E int32: 132 SMs at most
     # on the GPUs we run; a bound), totals, status
     workspace = 4 * (M + 2 * L + 1 + R * L + R) + 4 * 4 * 132 * E + 4 * (E + 2 * R + 1) + 64
     return MemoryPlan(
         symmetric=plan_buffers(cfg).total_bytes,
-        experts_per_layer=(L + S) * expert,
-        scratch=M * (2 * Fi + Fi + H) * bf16,
+        experts_per_layer=L * routed + S * expert,
+        scratch=M * ((2 * Fi + H) * bf16 + a_row),
         workspace=workspace,
         host_build=expert + 3 * H * Fi * DTYPE_BYTES["fp32"],
         check_reference=(E + S) * expert + 3 * H * Fi * DTYPE_BYTES["fp32"],

@@ -36,7 +36,7 @@ from .local_cluster import init_ray_bounded, start_local_ray
 from .routing import route
 from .transport.nvshmem import NO_MULTICAST_ENV
 from .validation import validate_moe_inputs, validate_per_rank, validate_router_logits
-from .weights import ExpertWeights
+from .weights import ExpertWeights, check_expert_weights
 
 log = logging.getLogger(__name__)
 
@@ -336,8 +336,12 @@ class EPCluster:
     def load_experts(self, weights: ExpertWeights | None = None, seed: int = 0, layer: int = 0) -> None:
         """Experts of MoE layer ``layer``: seeded random (each worker builds its own slice), or
         the given world weights (sharded here: rank r gets routed experts [r * L, (r + 1) * L)
-        and every shared expert). The cluster keeps the seed, or a reference to ``weights``,
-        for :meth:`restart`."""
+        and every shared expert). Weights may be bf16 (fp16 / fp32) or fp8 e4m3 with one fp32
+        scale per 128 x 128 block (:func:`ray_ep.load_deepseek_experts` reads a DeepSeek-V3
+        checkpoint); the workers convert them to ``EPConfig.expert_dtype``. Bad weights (shape,
+        dtype, block scales of the wrong shape or not finite and positive, NaN in fp8 values,
+        fp8 with H or F not a multiple of 128) raise EPInputError here, before any worker sees
+        them. The cluster keeps the seed, or a reference to ``weights``, for :meth:`restart`."""
         g = self._need_group()
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise EPInputError(f"layer must be an int >= 0 (negative slots are ray_ep's own), got {layer!r}")
@@ -347,13 +351,11 @@ class EPCluster:
         if weights is None:
             g.execute("load_experts", seed=seed, layer=layer)
         else:
+            if not isinstance(weights, ExpertWeights):
+                raise EPInputError(f"weights must be an ExpertWeights, got {type(weights).__name__}")
+            check_expert_weights(self.config, weights)  # before anything is shipped
             L = self.config.experts_per_rank
-            per_rank = []
-            for r in range(self.world_size):
-                w = weights.local(r, L)
-                per_rank.append({"layer": layer, "weights": {
-                    "w_gate_up_LHF2": w.w_gate_up, "w_down_LFH": w.w_down,
-                    "shared_gate_up_SHF2": w.shared_gate_up, "shared_down_SFH": w.shared_down}})
+            per_rank = [{"layer": layer, "weights": weights.local(r, L)} for r in range(self.world_size)]
             g.execute_per_rank("load_experts", [(None,)] * self.world_size, per_rank)
         self._layers_loaded.add(layer)
         self._expert_loads.pop(layer, None)  # replayed in the order of the last loads

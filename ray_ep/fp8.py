@@ -62,3 +62,39 @@ def dequantize_fp8_torch(q_TH: torch.Tensor, scales_TG: torch.Tensor,
     T, H = q_TH.shape
     values = q_TH.float().view(T, H // FP8_GROUP, FP8_GROUP) * scales_TG.float().unsqueeze(-1)
     return values.view(T, H).to(out_dtype)
+
+
+# ---- weight blocks -------------------------------------------------------------------------
+def _check_blocks(w: torch.Tensor) -> tuple[int, int]:
+    if w.dim() < 2 or w.shape[-2] % FP8_GROUP or w.shape[-1] % FP8_GROUP:
+        raise EPInputError(f"fp8 weight blocks need both matrix dims multiples of {FP8_GROUP}, got shape "
+                           f"{tuple(w.shape)}")
+    return w.shape[-2] // FP8_GROUP, w.shape[-1] // FP8_GROUP
+
+
+def quantize_fp8_blocks_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights [..., D, O] (any float dtype) to fp8 e4m3 with one fp32 scale per 128 x 128
+    block: (q [..., D, O] float8_e4m3fn, scales [..., D / 128, O / 128] fp32), ``q * scale``
+    is the weight (DeepSeek-V3's ``weight_scale_inv``, in the [in, out] layout). A block's
+    scale is amax / 448 (1 for an all-zero block), as for activation rows. Example: a block
+    with amax 0.25 gets scale 0.25 / 448 and its largest value becomes +-448."""
+    Db, Ob = _check_blocks(w)
+    lead = w.shape[:-2]
+    blocks = w.float().reshape(*lead, Db, FP8_GROUP, Ob, FP8_GROUP)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    zero = amax == 0
+    amax = amax.masked_fill(zero, 1.0)
+    limit = torch.full_like(amax, FP8_MAX)
+    scales = (amax / limit).masked_fill(zero, 1.0)
+    factor = (limit / amax).masked_fill(zero, 1.0)
+    q = torch.clamp(blocks * factor[..., :, None, :, None], min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(w.shape), scales
+
+
+def dequantize_fp8_blocks_torch(q: torch.Tensor, scales: torch.Tensor,
+                                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp8 weights [..., D, O] with block scales [..., D / 128, O / 128] back to ``out_dtype``
+    (fp32 math: ``q * scale``)."""
+    Db, Ob = _check_blocks(q)
+    s = scales.float().repeat_interleave(FP8_GROUP, dim=-2).repeat_interleave(FP8_GROUP, dim=-1)
+    return (q.float() * s).to(out_dtype)

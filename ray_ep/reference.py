@@ -59,6 +59,13 @@ def dequantize_fp8(q_TH: torch.Tensor, scales_TG: torch.Tensor) -> torch.Tensor:
     return g.reshape(T, H)
 
 
+def dequantize_fp8_blocks(q_DO: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 values of fp8 weights [..., D, O] with one scale per 128 x 128 block
+    [..., D / 128, O / 128]: ``q * scale``."""
+    s = scales.float().repeat_interleave(FP8_GROUP, dim=-2).repeat_interleave(FP8_GROUP, dim=-1)
+    return q_DO.float() * s
+
+
 # ---- nvfp4 ---------------------------------------------------------------------------------
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)  # by code
 
@@ -117,6 +124,20 @@ def swiglu_expert(x_MH: torch.Tensor, w_gate_up_HF2: torch.Tensor, w_down_FH: to
     Fi = w_down_FH.shape[0]
     a = (F.silu(h[:, :Fi]) * h[:, Fi:]).to(dt)
     return (a.to(acc) @ w_down_FH.to(acc)).to(dt)
+
+
+def swiglu_expert_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, w_gate_up: torch.Tensor,
+                      w_gate_up_scales: torch.Tensor, w_down: torch.Tensor, w_down_scales: torch.Tensor
+                      ) -> torch.Tensor:
+    """One SwiGLU expert with fp8 weights (128 x 128 block scales) and the roundings of the
+    kernels: the input rows as fp8 with one scale per 128 channels, fp32 products and sums,
+    bf16 h, fp32 ``silu(gate) * up`` quantised to fp8 per 128 channels (never rounded to bf16
+    first), bf16 output [M, H]."""
+    x = dequantize_fp8(x_q, x_scales)
+    h = (x @ dequantize_fp8_blocks(w_gate_up, w_gate_up_scales)).to(torch.bfloat16).float()
+    Fi = w_down.shape[0]
+    a_q, a_s = quantize_fp8(F.silu(h[:, :Fi]) * h[:, Fi:])
+    return (dequantize_fp8(a_q, a_s) @ dequantize_fp8_blocks(w_down, w_down_scales)).to(torch.bfloat16)
 
 
 # ---- dispatch / combine over a world -------------------------------------------------------
@@ -200,12 +221,25 @@ def experts_world(cfg: EPConfig, dispatched: list[RankDispatch], weights: Expert
     ys = []
     for rank, d in enumerate(dispatched):
         local = weights.local(rank, L)
-        x = d.dequantized().to(weights.w_down.dtype)
-        y = torch.zeros(x.shape[0], cfg.hidden_size, dtype=weights.w_down.dtype)
+        if weights.fp8:
+            # fp8 rows enter the GEMM as they are; other rows are quantised per 128 channels
+            # (by the GEMM's A load, bit for bit as fp8 dispatch would have)
+            if d.x.dtype == torch.float8_e4m3fn:
+                x_q, x_s = d.x, d.scales
+            else:
+                x_q, x_s = quantize_fp8(d.dequantized().to(torch.bfloat16))
+            dt = torch.bfloat16
+        else:
+            x = d.dequantized().to(weights.w_down.dtype)
+            dt = weights.w_down.dtype
+        y = torch.zeros(d.x.shape[0], cfg.hidden_size, dtype=dt)
         for e in range(L):
             a = int(d.row_offsets[e])
             b = a + int(d.num_tokens[e])
-            if b > a:
+            if b > a and weights.fp8:
+                y[a:b] = swiglu_expert_fp8(x_q[a:b], x_s[a:b], local.w_gate_up[e], local.w_gate_up_scales[e],
+                                           local.w_down[e], local.w_down_scales[e])
+            elif b > a:
                 y[a:b] = swiglu_expert(x[a:b], local.w_gate_up[e], local.w_down[e])
         ys.append(y)
     return ys

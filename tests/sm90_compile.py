@@ -5,10 +5,16 @@ then compiles each recorded kernel to a cubin with Triton's CUDA backend (ptxas 
 Triton). Kernels of a multi-node topology call NVSHMEM: they are linked against NVSHMEM's
 device bitcode when ``--bitcode PATH`` (or nvshmem4py) provides it, else skipped.
 
-    python tests/sm90_compile.py [--bitcode PATH] [--multi-node] [--fp8 | --nvfp4]
+    python tests/sm90_compile.py [--bitcode PATH] [--multi-node] [--fp8 | --nvfp4] [--fp8-experts]
 
 With --nvfp4 it also compiles the nvfp4 quantise / dequantise kernels and the grouped GEMM that
 unpacks nvfp4 rows (their launches are recorded the same way).
+
+With --fp8-experts it compiles only the expert kernels with fp8 weights (grouped GEMMs and
+the SwiGLU with fp8 output), specialised as the JIT would for the recorded arguments (strides
+of 1, 16-byte alignment), so the shared memory shows the GEMM's pipeline stages. Each line
+names the tensor-core instructions the kernel uses (wgmma=e4m3 for fp8 operands) and its
+shared memory in bytes.
 
 Prints one line per kernel and exits 1 when one fails. Must run without TRITON_INTERPRET
 (tests/test_kernels_sm90.py starts it in a subprocess).
@@ -60,6 +66,46 @@ def record_launches(cfg) -> list[tuple]:
     return seen
 
 
+class _Recorder:
+    """Stands in for a Triton kernel: ``kernel[grid](**kw)`` records (kernel, args, meta,
+    options) in ``seen`` instead of launching."""
+
+    def __init__(self, kernel, seen: list):
+        self.kernel, self.seen = kernel, seen
+        self.meta_names = {p.name for p in kernel.params if p.is_constexpr}
+
+    def __getitem__(self, grid):
+        def call(**kw):
+            opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+            meta = {k: v for k, v in kw.items() if k in self.meta_names}
+            self.seen.append((self.kernel, {k: v for k, v in kw.items() if k not in meta}, meta, opts))
+        return call
+
+
+def _record(names: list[tuple], body) -> list[tuple]:
+    """Run ``body()`` with the kernels ``names`` [(module, attribute)] replaced by recorders and
+    the grouped GEMM's tile set to the GPU's; the GPU's dots (DOT_FP32 off) in what it records."""
+    from ray_ep.kernels import grouped_gemm
+
+    seen: list[tuple] = []
+    real = [(mod, name, getattr(mod, name)) for mod, name in names]
+    launch_config = grouped_gemm._launch_config
+    for mod, name, k in real:
+        setattr(mod, name, _Recorder(k, seen))
+    grouped_gemm._launch_config = lambda device, **kw: launch_config(torch.device("cuda"), **kw)  # needs no GPU
+    try:
+        body()
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)
+        grouped_gemm._launch_config = launch_config
+        for mod, name, k in real:
+            setattr(mod, name, k)
+    for _, _, meta, _ in seen:
+        if "DOT_FP32" in meta:
+            meta["DOT_FP32"] = False  # the GPU's bf16 / fp8 dot
+    return seen
+
+
 def record_nvfp4_format_launches() -> list[tuple]:
     """(kernel, args, meta, options) of the nvfp4 quantise and dequantise kernels and of the
     grouped GEMM over nvfp4 rows with the GPU's tile (its launchers run with the kernels
@@ -67,29 +113,7 @@ def record_nvfp4_format_launches() -> list[tuple]:
     from ray_ep.kernels import grouped_gemm, nvfp4
     from ray_ep.nvfp4 import quantize_nvfp4_torch
 
-    seen: list[tuple] = []
-
-    class _Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-            self.meta_names = {p.name for p in kernel.params if p.is_constexpr}
-
-        def __getitem__(self, grid):
-            def call(**kw):
-                opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
-                meta = {k: v for k, v in kw.items() if k in self.meta_names}
-                seen.append((self.kernel, {k: v for k, v in kw.items() if k not in meta}, meta, opts))
-            return call
-
-    names = [(nvfp4, "_quantize_nvfp4_kernel"), (nvfp4, "_dequantize_nvfp4_kernel"),
-             (grouped_gemm, "_grouped_gemm_kernel")]
-    real = [(mod, name, getattr(mod, name)) for mod, name in names]
-    gpu_tile = grouped_gemm._launch_config(torch.device("cuda"))  # a dict; needs no GPU
-    launch_config = grouped_gemm._launch_config
-    for mod, name, k in real:
-        setattr(mod, name, _Recorder(k))
-    grouped_gemm._launch_config = lambda device: gpu_tile
-    try:
+    def body():
         H, O, rows = 256, 128, 64
         x = torch.zeros(rows, H, dtype=torch.bfloat16)
         q, s = quantize_nvfp4_torch(x)
@@ -99,31 +123,79 @@ def record_nvfp4_format_launches() -> list[tuple]:
         grouped_gemm.grouped_gemm(a=q, a_scales=s, b_LDO=torch.zeros(2, H, O, dtype=torch.bfloat16),
                                   row_offsets_L1=torch.tensor([0, rows // 2, rows], dtype=torch.int32),
                                   num_tokens_L=torch.tensor([rows // 2, rows // 2], dtype=torch.int32))
+
+    return _record([(nvfp4, "_quantize_nvfp4_kernel"), (nvfp4, "_dequantize_nvfp4_kernel"),
+                    (grouped_gemm, "_grouped_gemm_kernel")], body)
+
+
+def record_fp8_expert_launches() -> list[tuple]:
+    """(kernel, args, meta, options) of the expert kernels with fp8 weights, GPU tiles: the
+    grouped GEMM over fp8 rows (as they come from fp8 dispatch), bf16 rows and nvfp4 rows
+    (both quantised in the A load), with K-major fp8 weights and block scales; and the SwiGLU
+    with fp8 output (plus its bf16 form)."""
+    from ray_ep.fp8 import quantize_fp8_blocks_torch, quantize_fp8_torch
+    from ray_ep.kernels import activation, grouped_gemm
+    from ray_ep.nvfp4 import quantize_nvfp4_torch
+
+    def body():
+        H, O, rows = 1024, 256, 64  # a K loop of 8 blocks: long enough to pipeline
+        x = torch.zeros(rows, H, dtype=torch.bfloat16)
+        q, s = quantize_fp8_blocks_torch(torch.zeros(2, H, O))
+        b = q.transpose(1, 2).contiguous().transpose(1, 2)  # K-major, as LocalExperts holds it
+        segs = dict(row_offsets_L1=torch.tensor([0, rows // 2, rows], dtype=torch.int32),
+                    num_tokens_L=torch.tensor([rows // 2, rows // 2], dtype=torch.int32))
+        os.environ["TRITON_INTERPRET"] = "1"  # the launchers' CPU-tensor check; nothing runs
+        for a, a_s in ((x, None), quantize_fp8_torch(x), quantize_nvfp4_torch(x)):
+            grouped_gemm.grouped_gemm(a=a, a_scales=a_s, b_LDO=b, b_scales=s, **segs)
+        F = 256
+        h = torch.zeros(rows, 2 * F, dtype=torch.bfloat16)
+        ids = torch.zeros(rows, dtype=torch.int32)
+        tot = torch.tensor([rows], dtype=torch.int32)
+        os.environ.pop("TRITON_INTERPRET")  # the GPU's row tile for the SwiGLU
+        activation._check_launchable = lambda device: None
+        activation.swiglu(h_M2F=h, row_ids_M=ids, total_rows=tot)
+        activation.swiglu(h_M2F=h, row_ids_M=ids, total_rows=tot, out=torch.zeros(rows, F, dtype=torch.float8_e4m3fn),
+                          out_scales=torch.ones(rows, F // 128))
+
+    check = activation._check_launchable
+    try:
+        return _record([(grouped_gemm, "_grouped_gemm_kernel"), (activation, "_swiglu_kernel")], body)
     finally:
-        os.environ.pop("TRITON_INTERPRET", None)
-        grouped_gemm._launch_config = launch_config
-        for mod, name, k in real:
-            setattr(mod, name, k)
-    for _, _, meta, _ in seen:
-        if "DOT_FP32" in meta:
-            meta["DOT_FP32"] = False  # the GPU's bf16 dot
-    return seen
+        activation._check_launchable = check
 
 
-def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None = None):
+def _wgmma(ptx: str) -> str:
+    """The operand type of the Hopper tensor-core instructions in ``ptx`` (e4m3, bf16), or no."""
+    import re
+
+    kinds = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.f32\.(\w+)\.", ptx)))
+    return "+".join(kinds) or "no"
+
+
+def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None = None, specialize: bool = False):
+    """A cubin of ``kernel`` for sm_90. ``specialize``: as Triton's JIT does at a launch, an
+    integer argument equal to 1 becomes a constant and pointers and integers divisible by 16
+    carry that hint, so strides of 1 make contiguous (vectorised, pipelined) loads as on a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig, constexprs = {}, {}
-    for name in kernel.arg_names:
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
         if name in meta:
             continue
         a = args[name]
         if isinstance(a, torch.Tensor):
             sig[name] = "*" + _DTYPES[a.dtype]
+            if specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif specialize and int(a) == 1:
+            sig[name] = "constexpr"
+            constexprs[name] = 1
         else:
             sig[name] = "i64" if abs(int(a)) >= 2**31 else "i32"
+            if specialize and int(a) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     for name, v in meta.items():
         sig[name] = "constexpr"
         constexprs[name] = v
@@ -131,7 +203,7 @@ def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None =
     opts = {"num_warps": 4, **(options or {})}
     if meta.get("REMOTE"):
         opts["extern_libs"] = {"libnvshmem_device": bitcode}
-    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 
@@ -141,6 +213,9 @@ def main() -> int:
     ap.add_argument("--multi-node", action="store_true", help="a 2-node topology (kernels with NVSHMEM puts)")
     ap.add_argument("--fp8", action="store_true", help="fp8 dispatch")
     ap.add_argument("--nvfp4", action="store_true", help="nvfp4 dispatch, plus the nvfp4 format kernels and GEMM")
+    ap.add_argument("--fp8-experts", action="store_true",
+                    help="only the expert kernels with fp8 weights: grouped GEMMs over fp8, bf16 and nvfp4 "
+                         "rows, and the SwiGLU with fp8 (and bf16) output")
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("run without TRITON_INTERPRET")
@@ -160,7 +235,10 @@ def main() -> int:
             return 0
     failed = 0
     done = set()
-    launches = [(k, args, meta, None) for k, args, meta in record_launches(cfg)]
+    if a.fp8_experts:
+        launches = record_fp8_expert_launches()
+    else:
+        launches = [(k, args, meta, None) for k, args, meta in record_launches(cfg)]
     if a.nvfp4 and not a.multi_node:
         launches += record_nvfp4_format_launches()
     for kernel, args, meta, options in launches:
@@ -169,9 +247,10 @@ def main() -> int:
             continue
         done.add(key)
         try:
-            ck = compile_sm90(kernel, args, meta, bitcode, options)
+            ck = compile_sm90(kernel, args, meta, bitcode, options, specialize=a.fp8_experts)
             print(f"OK   {kernel.fn.__name__:<28} {len(ck.asm['cubin']):>8} B cubin, "
-                  f"nvshmem={'nvshmem' in ck.asm['ptx']}")
+                  f"nvshmem={'nvshmem' in ck.asm['ptx']}, wgmma={_wgmma(ck.asm['ptx'])}, "
+                  f"shared={ck.metadata.shared}")
         except Exception:  # noqa: BLE001 - report every kernel
             failed += 1
             print(f"FAIL {kernel.fn.__name__}\n{traceback.format_exc()}")

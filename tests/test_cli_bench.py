@@ -65,6 +65,29 @@ def test_bench_nvfp4_rows(ray_session, tmp_path, capsys):
     assert "--dispatch-dtype: unknown fp4" in capsys.readouterr().err
 
 
+def test_bench_layer_rows_by_expert_dtype(ray_session, tmp_path, capsys):
+    # --layer with bf16 and fp8 experts: per expert dtype a layer row and the experts' two GEMMs
+    # (ours, and torch._grouped_mm where torch has one: CPU torch has a bf16 one, no fp8 one)
+    js = tmp_path / "layer.json"
+    rc = cli.main(["bench", "--backend", "torch", "--preset", "tiny", "--world", "2", "--iters", "2", "--warmup", "1",
+                   "--dispatch-dtype", "fp8", "--layer", "--expert-dtype", "bf16,fp8", "--json", str(js), "--quiet"])
+    assert rc == 0
+    rows = json.loads(js.read_text())["rows"]
+    have_bf16 = hasattr(__import__("torch"), "_grouped_mm")
+    want = [("dispatch", "-"), ("combine", "-"), ("layer", "bf16"), ("gemm", "bf16")]
+    want += [("gemm-torch", "bf16")] if have_bf16 else []
+    want += [("layer", "fp8"), ("gemm", "fp8")]
+    assert [(r["op"], r["experts"]) for r in rows] == want
+    for r in rows:
+        assert r["median_us"] > 0 and r["dtype"] == "fp8"
+        gemm = r["op"].startswith("gemm")
+        assert (r["tflops"] is not None and r["tflops"] > 0 and r["weight_gbps"] > 0) == gemm
+    out = capsys.readouterr().out
+    assert "gemm-torch" in out or not have_bf16
+    assert cli.main(["bench", "--backend", "torch", "--preset", "tiny", "--expert-dtype", "fp4", "--quiet"]) == 2
+    assert "--expert-dtype: unknown fp4" in capsys.readouterr().err
+
+
 def test_accuracy_against_bf16_dispatch(ray_session, tmp_path, capsys):
     # python -m ray_ep.bench.accuracy on 2 CPU workers: the layer's error grows fp8 < nvfp4
     js = tmp_path / "acc.json"
@@ -75,6 +98,22 @@ def test_accuracy_against_bf16_dispatch(ray_session, tmp_path, capsys):
     assert 0.01 < rows["fp8"]["rel"] < 0.06 < rows["nvfp4"]["rel"] < 0.2
     assert rows["nvfp4"]["token_rel_mean"] <= rows["nvfp4"]["token_rel_max"] < 0.5
     assert "nvfp4" in capsys.readouterr().out
+
+
+def test_accuracy_of_fp8_experts(ray_session, tmp_path, capsys):
+    # fp8 experts (the bf16 ones quantised per 128 x 128 block) against bf16 experts; the GEMM
+    # quantises bf16 rows exactly as fp8 dispatch does, so both dispatch dtypes give one output
+    js = tmp_path / "acc.json"
+    assert accuracy.main(["--preset", "tiny", "--world", "2", "--tokens", "32", "--intermediate-size", "128",
+                          "--dispatch-dtype", "fp8", "--expert-dtype", "bf16,fp8", "--json", str(js)]) == 0
+    rows = {(r["dtype"], r["experts"]): r for r in json.loads(js.read_text())}
+    assert set(rows) == {("fp8", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")}
+    assert rows[("bf16", "fp8")]["rel"] == rows[("fp8", "fp8")]["rel"]
+    # measured at 256 tokens per rank: 0.064 (docs/benchmarking.md)
+    assert 0.02 < rows[("bf16", "fp8")]["rel"] < 0.12
+    with pytest.raises(SystemExit):  # the tiny preset's F = 64 cannot hold 128 x 128 blocks
+        accuracy.main(["--preset", "tiny", "--expert-dtype", "fp8"])
+    assert "intermediate_size % 128 == 0" in capsys.readouterr().err
 
 
 def test_plan_rejects_a_bad_topology(capsys):

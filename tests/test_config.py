@@ -74,6 +74,15 @@ def test_fp8_needs_hidden_multiple_of_128():
     assert make(dispatch_dtype="fp8", hidden_size=256).dispatch_dtype == "fp8"
 
 
+@pytest.mark.parametrize("field,value", [("hidden_size", 192), ("intermediate_size", 64)])
+def test_fp8_experts_need_reduction_dims_multiple_of_128(field, value):
+    # H is the reduction dim of gate_up, F of down: one weight scale per 128 x 128 block
+    invalid("expert_dtype 'fp8'", f"{field} % 128 == 0", f"{field} = {value}", "use expert_dtype 'bf16'",
+            expert_dtype="fp8", **{"hidden_size": 256, "intermediate_size": 128, field: value})
+    assert make(expert_dtype="fp8", hidden_size=256, intermediate_size=128).expert_dtype == "fp8"
+    assert make().expert_dtype == "bf16"  # the default
+
+
 @pytest.mark.parametrize("hidden_size", [8, 24, 40, 136])
 def test_nvfp4_needs_hidden_multiple_of_16(hidden_size):
     # one e4m3 scale per 16 channels; bf16 combine rows of these H are 16-byte aligned
@@ -517,6 +526,12 @@ def test_memory_plan_from_its_definition():
     assert plan.symmetric == plan_buffers(cfg).total_bytes
     assert plan.check_reference >= (E + 1) * 3 * H * Fi * 2
     assert plan.per_rank(2) == plan.symmetric + plan.scratch + plan.workspace + 2 * plan.experts_per_layer
+    # fp8 routed experts: a byte per weight plus a fp32 scale per 128 x 128 block; the shared
+    # expert stays bf16; the SwiGLU output is fp8 with a scale per 128 channels
+    f8 = plan_memory(cfg.model_copy(update={"expert_dtype": "fp8"}))
+    blocks = (H // 128) * (2 * Fi // 128) + (Fi // 128) * (H // 128)
+    assert f8.experts_per_layer == L * (3 * H * Fi + 4 * blocks) + 3 * H * Fi * 2
+    assert f8.scratch == cfg.max_recv_rows * ((2 * Fi + H) * 2 + Fi + 4 * Fi // 128)
 
 
 @pytest.mark.parametrize("text, want", [("2x4", (2, 4)), ("1X8", (1, 8))])

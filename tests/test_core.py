@@ -13,7 +13,7 @@ from ray_ep.errors import EPInputError
 from ray_ep.inputs import make_inputs, rank_inputs
 from ray_ep.routing import route
 from ray_ep.validation import validate_moe_inputs
-from ray_ep.weights import init_expert_weights
+from ray_ep.weights import ExpertWeights, init_expert_weights
 
 WORLDS = [1, 2, 4, 8]
 H, F, E = 128, 64, 16
@@ -189,3 +189,151 @@ def test_meta_and_sparse_inputs_are_input_errors(which, kind):
     args[which] = torch.empty(t.shape, dtype=t.dtype, device="meta") if kind == "meta" else t.to_sparse()
     with pytest.raises(EPInputError, match=which):
         validate_moe_inputs(cfg, args["x"], args["topk_ids"], args["topk_weights"], rank=1)
+
+
+# ---- fp8 expert weights ----------------------------------------------------------------------
+def fp8_cfg(R=2, n_shared=1):
+    return EPConfig(hidden_size=256, intermediate_size=128, n_experts=8, top_k=2, max_tokens_per_rank=8,
+                    gpus_per_node=R, n_shared_experts=n_shared, expert_dtype="fp8")
+
+
+def test_init_expert_weights_fp8_is_the_bf16_draw_quantised_per_block():
+    cfg = fp8_cfg()
+    f8 = init_expert_weights(cfg, seed=3)
+    bf = init_expert_weights(cfg.model_copy(update={"expert_dtype": "bf16"}), seed=3)
+    assert f8.fp8 and not bf.fp8
+    assert f8.w_gate_up.dtype == f8.w_down.dtype == torch.float8_e4m3fn
+    assert f8.w_gate_up_scales.shape == (8, 2, 2) and f8.w_down_scales.shape == (8, 1, 2)
+    assert torch.equal(f8.shared_gate_up, bf.shared_gate_up) and f8.shared_down.dtype == torch.bfloat16
+    # per 128 x 128 block: scale = amax / 448, so the block's largest value becomes +-448
+    w, q, s = bf.w_gate_up[1, 128:, :128].float(), f8.w_gate_up[1, 128:, :128].float(), f8.w_gate_up_scales[1, 1, 0]
+    assert float(s) == pytest.approx(float(w.abs().max()) / 448, rel=1e-6)
+    assert float(q.abs().max()) == 448.0
+    # and q * scale is the weight within e4m3's precision (3 mantissa bits: 2^-4 relative; a
+    # subnormal step of 2^-9 scale near zero)
+    err = (q * s - w).abs()
+    assert bool((err <= w.abs() * 2**-4 + float(s) * 2**-9).all())
+    # a rank's slice and the conversions give the same bits
+    L = cfg.experts_per_rank
+    mine = init_expert_weights(cfg, seed=3, experts=range(L, 2 * L))
+    assert torch.equal(mine.w_down.view(torch.uint8), f8.local(1, L).w_down.view(torch.uint8))
+    assert torch.equal(mine.w_down_scales, f8.local(1, L).w_down_scales)
+    conv = bf.to_expert_dtype("fp8")
+    assert torch.equal(conv.w_gate_up.view(torch.uint8), f8.w_gate_up.view(torch.uint8))
+    assert torch.equal(conv.w_gate_up_scales, f8.w_gate_up_scales)
+    back = f8.to_expert_dtype("bf16")
+    assert back.w_down.dtype == torch.bfloat16 and back.w_down_scales is None
+    assert torch.equal(back.w_down, (f8.w_down.float() * f8.w_down_scales.repeat_interleave(128, 1)
+                                     .repeat_interleave(128, 2)).to(torch.bfloat16))
+
+
+def test_check_expert_weights_messages():
+    from dataclasses import replace
+
+    from ray_ep.weights import check_expert_weights
+
+    cfg = fp8_cfg()
+    w = init_expert_weights(cfg, seed=4)
+    check_expert_weights(cfg, w)  # fine
+    check_expert_weights(cfg, w.to_expert_dtype("bf16"))  # float weights into an fp8 config: fine
+    cases = [
+        (replace(w, w_down_scales=w.w_down_scales[:, :, :1]), r"w_down_scales has shape \[8, 1, 1\], expected \[8, 1, 2\]"),
+        (replace(w, w_gate_up_scales=w.w_gate_up_scales * float("inf")), "not finite and positive"),
+        (replace(w, w_down_scales=-w.w_down_scales), r"not finite and positive \(-"),
+        (replace(w, shared_down=w.shared_down.to(torch.float8_e4m3fn)), "shared experts run in bf16"),
+        (replace(w, w_down=w.w_down[:4]), r"w_down has shape \[4, 128, 256\], this config needs \[8, 128, 256\]"),
+    ]
+    for bad, match in cases:
+        with pytest.raises(EPInputError, match=match):
+            check_expert_weights(cfg, bad)
+    # a K that is not a multiple of 128 (H = 192 as a bf16 config allows it)
+    cfg192 = EPConfig(hidden_size=192, intermediate_size=128, n_experts=8, top_k=2, max_tokens_per_rank=8)
+    f8 = torch.zeros(8, 192, 256, dtype=torch.float8_e4m3fn)
+    odd = ExpertWeights(f8, torch.zeros(8, 128, 192, dtype=torch.float8_e4m3fn), torch.zeros(0, 192, 256),
+                        torch.zeros(0, 128, 192), torch.ones(8, 1, 2), torch.ones(8, 1, 1))
+    with pytest.raises(EPInputError, match=r"hidden_size \(H\) % 128 == 0 .* got 192"):
+        check_expert_weights(cfg192, odd)
+
+
+def _save_deepseek(folder, cfg, layer, experts_fp32, shared_fp32, fp8=True):
+    """A DeepSeek-V3-layout checkpoint of one layer in two files plus the index: [out, in]
+    projections, e4m3 with weight_scale_inv per 128 x 128 block (or bf16)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from ray_ep.fp8 import quantize_fp8_blocks_torch
+
+    tensors = {}
+    Fi = cfg.intermediate_size
+    pre = f"model.layers.{layer}.mlp."
+    for name, (gu, dn) in [(f"experts.{e}", ed) for e, ed in enumerate(experts_fp32)] + [("shared_experts", shared_fp32)]:
+        for proj, w_io in (("gate", gu[:, :Fi]), ("up", gu[:, Fi:]), ("down", dn)):
+            w_oi = w_io.t().contiguous()  # the checkpoint's [out, in]
+            if fp8:
+                q, s = quantize_fp8_blocks_torch(w_oi)
+                tensors[f"{pre}{name}.{proj}_proj.weight"] = q
+                tensors[f"{pre}{name}.{proj}_proj.weight_scale_inv"] = s
+            else:
+                tensors[f"{pre}{name}.{proj}_proj.weight"] = w_oi.to(torch.bfloat16)
+    keys = sorted(tensors)
+    half = len(keys) // 2
+    weight_map = {}
+    for i, part in enumerate((keys[:half], keys[half:])):
+        fname = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, str(folder / fname))
+        weight_map.update({k: fname for k in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_load_deepseek_experts(tmp_path):
+    from ray_ep.fp8 import dequantize_fp8_blocks_torch
+    from ray_ep.weights import load_deepseek_experts
+
+    cfg = fp8_cfg(n_shared=1)
+    H, Fi, E = cfg.hidden_size, cfg.intermediate_size, cfg.n_experts
+    g = torch.Generator().manual_seed(5)
+    experts = [(torch.randn(H, 2 * Fi, generator=g), torch.randn(Fi, H, generator=g)) for _ in range(E)]
+    shared = (torch.randn(H, 2 * Fi, generator=g), torch.randn(Fi, H, generator=g))
+    _save_deepseek(tmp_path, cfg, 3, experts, shared)
+    w = load_deepseek_experts(tmp_path, cfg, layer=3)
+    assert w.fp8 and w.w_gate_up.shape == (E, H, 2 * Fi) and w.w_down.shape == (E, Fi, H)
+    assert w.w_gate_up.stride(1) == 1 and w.w_down.stride(1) == 1  # K-major views of [out, in] rows
+    assert w.shared_gate_up.dtype == torch.bfloat16 and w.shared_gate_up.shape == (1, H, 2 * Fi)
+    # the same values as quantising our [in, out] weights per block (blocks are transposes)
+    for e in (0, E - 1):
+        gu = dequantize_fp8_blocks_torch(w.w_gate_up[e], w.w_gate_up_scales[e], torch.float32)
+        assert torch.allclose(gu, experts[e][0], rtol=2**-4, atol=float(w.w_gate_up_scales[e].max()) * 2**-9)
+    assert torch.allclose(w.shared_down[0].float(), shared[1], rtol=2**-4, atol=0.02)  # dequantised
+    # one rank's slice reads only its experts and matches the whole
+    part = load_deepseek_experts(tmp_path, cfg, layer=3, experts=range(4, 8))
+    assert torch.equal(part.w_down.view(torch.uint8), w.w_down[4:].view(torch.uint8))
+    assert torch.equal(part.w_gate_up_scales, w.w_gate_up_scales[4:])
+    with pytest.raises(EPInputError, match="no tensor 'model.layers.4.mlp.experts.0.gate_proj.weight'"):
+        load_deepseek_experts(tmp_path, cfg, layer=4)
+    # a bf16 checkpoint loads as bf16
+    bf = tmp_path / "bf16"
+    bf.mkdir()
+    _save_deepseek(bf, cfg, 0, experts, shared, fp8=False)
+    wb = load_deepseek_experts(bf, cfg, layer=0)
+    assert not wb.fp8 and torch.equal(wb.w_down[2], experts[2][1].to(torch.bfloat16))
+
+
+def test_deepseek_checkpoint_with_bad_scales_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ray_ep.weights import load_deepseek_experts
+
+    cfg = fp8_cfg(n_shared=0)
+    H, Fi = cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator().manual_seed(6)
+    experts = [(torch.randn(H, 2 * Fi, generator=g), torch.randn(Fi, H, generator=g)) for _ in range(8)]
+    _save_deepseek(tmp_path, cfg, 0, experts, experts[0])
+    for f in tmp_path.glob("*.safetensors"):
+        t = load_file(str(f))
+        key = "model.layers.0.mlp.experts.2.down_proj.weight_scale_inv"
+        if key in t:
+            t[key][0, 0] = float("nan")
+            save_file(t, str(f))
+    with pytest.raises(EPInputError, match="w_down_scales holds a scale that is not finite"):
+        load_deepseek_experts(tmp_path, cfg, layer=0)

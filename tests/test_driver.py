@@ -473,7 +473,7 @@ def test_load_given_world_weights(ep):
 def test_load_weights_of_the_wrong_shape_raises(ep2):
     cfg = ep2.config
     other = EPConfig.preset("tiny", gpus_per_node=2, intermediate_size=32)
-    with pytest.raises(ValueError, match="must be bf16"):
+    with pytest.raises(EPInputError, match=r"w_gate_up has shape \[16, 128, 64\], this config needs \[16, 128, 128\]"):
         ep2.load_experts(init_expert_weights(other, seed=0), layer=3)
     with pytest.raises(EPStateError, match="no experts loaded for layer 3"):
         ep2.forward(*inputs(cfg, 2, seed=0), layer=3)
@@ -733,6 +733,112 @@ class TestFp8Dispatch:
         ep_fp8.compute()
         outs = ep_fp8.combine(fused=False)
         assert_close_to_reference(cfg, outs, xs, ids, ws, world_weights(cfg, LAYER0_SEED))
+
+
+@pytest.fixture(scope="class")
+def ep_fp8w(ray_session):
+    """tiny on 2 ranks with fp8 expert weights (F 128: both GEMMs reduce over multiples of 128),
+    bf16 dispatch (rows quantised inside the GEMM) and one shared expert (bf16)."""
+    ep = start_cluster(EPConfig.preset("tiny", gpus_per_node=2, intermediate_size=128, expert_dtype="fp8",
+                                       n_shared_experts=1))
+    yield ep
+    ep.shutdown()
+
+
+def _kmajor(t: torch.Tensor) -> torch.Tensor:
+    """The same values with D contiguous, as a checkpoint's [out, in] rows viewed [in, out]."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _bad_fp8(w: ExpertWeights, case: str) -> tuple[ExpertWeights, str]:
+    """Weights broken one way, and a fragment of the error load_experts must give."""
+    from dataclasses import replace
+
+    if case == "scale-shape":
+        return replace(w, w_gate_up_scales=w.w_gate_up_scales[:, :, :1]), \
+            r"w_gate_up_scales has shape \[16, 1, 1\], expected \[16, 1, 2\]"
+    if case == "nan-scale":
+        s = w.w_gate_up_scales.clone()
+        s[3, 0, 1] = float("nan")
+        return replace(w, w_gate_up_scales=s), \
+            r"w_gate_up_scales holds a scale that is not finite and positive \(nan at \[3, 0, 1\]\)"
+    if case == "zero-scale":
+        s = w.w_down_scales.clone()
+        s[0, 0, 0] = 0.0
+        return replace(w, w_down_scales=s), "not finite and positive"
+    if case == "no-scales":
+        return replace(w, w_gate_up_scales=None), r"fp8 w_gate_up needs w_gate_up_scales \[16, 1, 2\] fp32"
+    if case == "fp64-scales":
+        return replace(w, w_down_scales=w.w_down_scales.double()), "w_down_scales is float64, expected float32"
+    if case == "nan-weight":
+        q = w.w_gate_up.clone()
+        q.view(torch.uint8)[5, 7, 9] = 0x7F
+        return replace(w, w_gate_up=q), r"w_gate_up holds NaN at \[5, 7, 9\]"
+    if case == "mixed-dtypes":
+        return replace(w, w_down=w.w_down.float() * 0), "w_down is float32, expected float8_e4m3fn"
+    if case == "scales-on-bf16":
+        return replace(w.to_expert_dtype("bf16"), w_down_scales=w.w_down_scales), "block scales belong to float8_e4m3fn"
+    raise AssertionError(case)
+
+
+BAD_FP8 = ["scale-shape", "nan-scale", "zero-scale", "no-scales", "fp64-scales", "nan-weight", "mixed-dtypes",
+           "scales-on-bf16"]
+
+
+class TestFp8Experts:
+    """Routed experts in fp8 e4m3 with one fp32 scale per 128 x 128 block; the reference
+    dequantises the weights and quantises the activations per 128 channels the same way, so
+    the comparison keeps the bf16 tolerance."""
+
+    @pytest.mark.parametrize("routing", ROUTINGS)
+    def test_check_and_forward(self, ep_fp8w, routing):
+        cfg = ep_fp8w.config
+        w = world_weights(cfg, LAYER0_SEED)
+        assert w.fp8 and w.shared_down.dtype == torch.bfloat16
+        assert ep_fp8w.check(num_tokens=[12, 0], routing=routing, seed=70).passed
+        xs, ids, ws = inputs(cfg, cfg.max_tokens_per_rank, seed=71, routing=routing)
+        for fused in (True, False):
+            outs = ep_fp8w.forward(xs, ids, ws, fused=fused)
+            assert_close_to_reference(cfg, outs, xs, ids, ws, w)
+
+    def test_given_weights_fp8_or_bf16(self, ep_fp8w):
+        # fp8 weights in a checkpoint's K-major layout load as they are; bf16 weights are
+        # quantised per block at load, which gives the seeded fp8 weights of the same draw
+        cfg = ep_fp8w.config
+        fp8 = init_expert_weights(cfg, seed=72)
+        from dataclasses import replace
+
+        given = replace(fp8, w_gate_up=_kmajor(fp8.w_gate_up), w_down=_kmajor(fp8.w_down))
+        ep_fp8w.load_experts(given, layer=1)
+        bf16 = init_expert_weights(cfg.model_copy(update={"expert_dtype": "bf16"}), seed=72)
+        ep_fp8w.load_experts(bf16, layer=2)
+        xs, ids, ws = inputs(cfg, [20, 9], seed=73, routing="skewed")
+        out1 = ep_fp8w.forward(xs, ids, ws, layer=1)
+        assert_close_to_reference(cfg, out1, xs, ids, ws, fp8)
+        assert all(torch.equal(a, b) for a, b in zip(ep_fp8w.forward(xs, ids, ws, layer=2), out1))
+
+    @pytest.mark.parametrize("case", BAD_FP8)
+    def test_bad_weights_raise_at_load(self, ep_fp8w, case):
+        w, match = _bad_fp8(init_expert_weights(ep_fp8w.config, seed=74), case)
+        with pytest.raises(EPInputError, match=match):
+            ep_fp8w.load_experts(w, layer=3)
+        with pytest.raises(EPStateError, match="no experts loaded for layer 3"):
+            ep_fp8w.forward(*inputs(ep_fp8w.config, 2, seed=0), layer=3)
+
+
+def test_fp8_weights_need_k_multiple_of_128(ep2):
+    # ep2 has F = 64: the down projection's reduction dim cannot hold 128 x 128 blocks
+    cfg = ep2.config
+    big = EPConfig.preset("tiny", gpus_per_node=2, intermediate_size=128, expert_dtype="fp8")
+    w = init_expert_weights(big, seed=0)
+    from dataclasses import replace
+
+    w = replace(w, w_gate_up=w.w_gate_up[:, :, :2 * cfg.intermediate_size], w_down=w.w_down[:, :cfg.intermediate_size],
+                shared_gate_up=w.shared_gate_up[:, :, :2 * cfg.intermediate_size],
+                shared_down=w.shared_down[:, :cfg.intermediate_size])
+    with pytest.raises(EPInputError, match=r"intermediate_size \(F\) % 128 == 0 .* got 64"):
+        ep2.load_experts(w, layer=3)
+    assert_usable(ep2)
 
 
 class TestSharedExperts:

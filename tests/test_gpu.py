@@ -4,7 +4,8 @@ from the kernels, never by NVLink stores).
 
 Skipped without CUDA, or with fewer GPUs than a case needs. For every preset (H, E, K of the
 model; a narrow expert width F so the reference's experts stay cheap) and dispatch dtype:
-full layers against the reference with uniform and skewed routing, fused and split forms;
+full layers against the reference with uniform and skewed routing, fused and split forms, with
+bf16 and with fp8 expert weights;
 then 200 dispatch + combine rounds in a row on the same buffers (identity experts, checked
 on the device); and a peer that never signals must give a timeout error naming it.
 """
@@ -94,6 +95,34 @@ def test_preset_against_reference(cluster, preset, dtype, tokens):
             assert sum(r["misplaced_rows"] for r in soak) == 0
             worst = max(r["max_rel_error"] for r in soak)
             assert worst <= SOAK_TOL, f"soak fused={fused}: rel error {worst:.3e}"
+    finally:
+        cluster.call_workers("drop_group", name)
+
+
+# fp8 experts (e4m3 weights, one scale per 128 x 128 block; activations quantised per 128
+# channels): the reference models those roundings, but the kernels sum each K block in another
+# order than its fp32 matmul, and where that tips a bf16 rounding of h the SwiGLU value can land
+# on the next e4m3 step (2^-3 of it), moving an output element by a few percent of the largest
+# (tests/test_kernels_grouped_gemm.py, the fp8 expert chain)
+FP8_EXPERTS_TOL = 5e-2
+FP8_EXPERT_CASES = [("deepseek-v3", "bf16"), ("deepseek-v3", "fp8"), ("deepseek-v3", "nvfp4"), ("qwen3-moe", "fp8"),
+                    ("mixtral", "bf16"), ("tiny", "fp8")]
+
+
+@pytest.mark.parametrize("preset,dtype", FP8_EXPERT_CASES, ids=[f"{p}-{d}" for p, d in FP8_EXPERT_CASES])
+def test_fp8_experts_against_reference(cluster, preset, dtype):
+    # the Triton grouped GEMMs on fp8 tensor cores: fp8 rows as they arrive, bf16 and nvfp4
+    # rows quantised in the A load; SwiGLU quantised to fp8 for the down GEMM
+    name = f"test/fp8-experts/{preset}/{dtype}"
+    cluster.call_workers("add_group", name, _group_cfg(cluster, preset, dtype, expert_dtype="fp8"))
+    try:
+        for routing in ("uniform", "skewed", "one-expert"):
+            for fused in (True, False):
+                counts = [64, 0, 32, 1][: cluster.world_size] if routing == "skewed" else 64
+                res = cluster.call_workers("check", group=name, num_tokens=counts, routing=routing, fused=fused,
+                                           seed=13, rounds=1)
+                worst = max(r["rel"] for r in res)
+                assert worst <= FP8_EXPERTS_TOL, f"{routing} fused={fused}: rel error {worst:.3e} > {FP8_EXPERTS_TOL}"
     finally:
         cluster.call_workers("drop_group", name)
 

@@ -151,6 +151,62 @@ def test_swiglu_ref_matches_swiglu_expert():
     torch.testing.assert_close(a_k.cpu().float(), a.float(), **TOL[torch.bfloat16])
 
 
+FP8_SENTINEL = -256.0  # exactly representable in e4m3
+
+
+@pytest.mark.parametrize("counts,align,slack,F", [([5, 0, 37, 1, 64], 8, 11, 256), ([0, 0, 0], 4, 9, 128),
+                                                  ([1], 1, 0, 384)])
+def test_swiglu_fp8_output_matches_twin(counts, align, slack, F):
+    # fp8 output for a down projection with fp8 weights: silu(gate) * up in fp32, quantised per
+    # 128 channels. Kernel and twin compute the same fp32 value up to the last bit of sigmoid,
+    # then quantise with the same bits (quantize_group = quantize_fp8_torch): almost every byte
+    # equal; where that last bit tips an e4m3 rounding, one step (2^-3 relative) apart.
+    # Padding rows (values and scales) untouched; the twin's values are the reference's.
+    gen = torch.Generator().manual_seed(50 + F + sum(counts))
+    offsets, row_ids = make_layout(counts, align, slack, gen)
+    M = row_ids.shape[0]
+    h = rand_h(M, F, gen)
+    outs = []
+    for fn in (swiglu, swiglu_torch):
+        q = torch.full((M, F), FP8_SENTINEL, device=device).to(torch.float8_e4m3fn)
+        s = torch.full((M, F // 128), FP8_SENTINEL, device=device)
+        assert fn(h_M2F=h, row_ids_M=row_ids, total_rows=offsets[-1:], out=q, out_scales=s) is q
+        outs.append((q, s))
+    real = row_ids >= 0
+    (qk, sk), (qt, st) = outs
+    for q, s in outs:
+        assert bool((q[~real].float() == FP8_SENTINEL).all()) and bool((s[~real] == FP8_SENTINEL).all())
+    if not bool(real.any()):
+        return
+    same = (qk.view(torch.uint8) == qt.view(torch.uint8))[real].float().mean()
+    assert same >= 0.99, f"only {same:.4f} of the fp8 bytes agree"
+    deq = [reference.dequantize_fp8(q[real].cpu(), s[real].cpu()) for q, s in outs]
+    torch.testing.assert_close(deq[0], deq[1], atol=1e-6, rtol=2**-3)
+    # the twin is the reference's rounding: quantize_fp8 of fp32 silu(gate) * up
+    hf = h[real].float().cpu()
+    want_q, want_s = reference.quantize_fp8(torch.nn.functional.silu(hf[:, :F]) * hf[:, F:])
+    assert torch.equal(qt[real].cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(st[real].cpu(), want_s)
+
+
+@pytest.mark.parametrize("fn", [swiglu, swiglu_torch])
+def test_swiglu_fp8_bad_outputs(fn):
+    M, F = 8, 128
+    h = torch.zeros(M, 2 * F, dtype=torch.bfloat16, device=device)
+    ids = torch.zeros(M, dtype=torch.int32, device=device)
+    tot = torch.tensor([M], dtype=torch.int32, device=device)
+    q = torch.zeros(M, F, dtype=torch.float8_e4m3fn, device=device)
+    s = torch.ones(M, 1, device=device)
+    with pytest.raises(ValueError, match="an fp8 out needs out_scales"):
+        fn(h_M2F=h, row_ids_M=ids, total_rows=tot, out=q)
+    with pytest.raises(ValueError, match="give out"):
+        fn(h_M2F=h, row_ids_M=ids, total_rows=tot, out_scales=s)
+    with pytest.raises(ValueError, match=r"out_scales must have shape \(8, 1\)"):
+        fn(h_M2F=h, row_ids_M=ids, total_rows=tot, out=q, out_scales=torch.ones(M, 2, device=device))
+    with pytest.raises(ValueError, match="F % 128 == 0"):
+        fn(h_M2F=h[:, :128], row_ids_M=ids, total_rows=tot, out=q[:, :64], out_scales=s)
+
+
 def _good_args():
     M, F = 8, 16
     return dict(h_M2F=torch.zeros(M, 2 * F, dtype=torch.bfloat16, device=device),

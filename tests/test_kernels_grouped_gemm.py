@@ -15,7 +15,9 @@ import pytest  # noqa: E402
 
 from ray_ep import reference  # noqa: E402
 from ray_ep.config import EPConfig, nvfp4_row_bytes  # noqa: E402
+from ray_ep.fp8 import quantize_fp8_blocks_torch  # noqa: E402
 from ray_ep.kernels.activation import swiglu, swiglu_torch  # noqa: E402
+from ray_ep.kernels.experts import LocalExperts  # noqa: E402
 from ray_ep.kernels.grouped_gemm import grouped_gemm, grouped_gemm_torch  # noqa: E402
 from ray_ep.inputs import make_inputs  # noqa: E402
 from ray_ep.weights import init_expert_weights  # noqa: E402
@@ -244,6 +246,129 @@ def test_expert_chain_matches_reference_experts(dispatch_dtype):
                 torch.testing.assert_close(y[real].float(), expected[rank][real].float(), **TOL[tol])
 
 
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+@pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8", "nvfp4"])
+def test_expert_chain_fp8_weights_matches_reference(dispatch_dtype, routing):
+    # fp8 experts as LocalExperts holds them (K-major, converted from the seeded world's fp8
+    # weights): gate_up GEMM -> SwiGLU quantised to fp8 -> down GEMM, against
+    # reference.experts_world (which dequantises the weights). Skewed routing leaves experts
+    # empty. Twins and kernels sum per K block, the reference in one matmul: fp32 noise that
+    # can tip a bf16 rounding of h (and the interpreter truncates to bf16, a GPU sums in
+    # another order). Where h moved by a bf16 ulp the SwiGLU value may land on the next e4m3
+    # step, up to 2^-3 of it: with |a| up to ~8 and down weights ~F^-0.5 that moves an output
+    # by up to ~0.1 (~3% of max|y|). So: 98% of the elements within the chain tolerance, every
+    # one within 5% of max|y|.
+    cfg = EPConfig(hidden_size=256, n_experts=16, top_k=3, max_tokens_per_rank=24, intermediate_size=128,
+                   gpus_per_node=2, expert_alignment=4, dispatch_dtype=dispatch_dtype, expert_dtype="fp8")
+    xs, ids, _ = make_inputs(cfg, [12, 5] if routing == "skewed" else [24, 17], seed=15, routing=routing)
+    weights = init_expert_weights(cfg, seed=15)
+    assert weights.fp8
+    dispatched = reference.dispatch_world(cfg, xs, ids)
+    expected = reference.experts_world(cfg, dispatched, weights)
+    empty = 0
+    for rank, d in enumerate(dispatched):
+        local = LocalExperts.build(cfg, weights.local(rank, cfg.experts_per_rank), device)
+        assert local.fp8 and local.w_gate_up_LHF2.stride(1) == 1  # K-major
+        M = d.x.shape[0]
+        a_row_ids = torch.where(d.src_info[:, 0] >= 0, torch.arange(M), -1).to(torch.int32).to(device)
+        args = dict(row_offsets_L1=d.row_offsets.to(device), num_tokens_L=d.num_tokens.to(device))
+        real = (a_row_ids >= 0).cpu()
+        empty += int((d.num_tokens == 0).sum())
+        for gemm, act in ((grouped_gemm_torch, swiglu_torch), (grouped_gemm, swiglu)):
+            h = gemm(a=d.x.to(device), a_scales=d.scales.to(device) if d.scales is not None else None,
+                     a_row_ids=a_row_ids, b_LDO=local.w_gate_up_LHF2, b_scales=local.w_gate_up_scales, **args)
+            a = torch.zeros(M, cfg.intermediate_size, dtype=torch.float8_e4m3fn, device=device)
+            a_s = torch.ones(M, cfg.intermediate_size // 128, device=device)
+            act(h_M2F=h, row_ids_M=a_row_ids, total_rows=args["row_offsets_L1"][-1:], out=a, out_scales=a_s)
+            y = gemm(a=a, a_scales=a_s, b_LDO=local.w_down_LFH, b_scales=local.w_down_scales, **args).cpu()
+            got, want = y[real].float(), expected[rank][real].float()
+            close = torch.isclose(got, want, **TOL["chain"])
+            assert close.float().mean() >= 0.98, f"{close.float().mean():.3f} of the elements within the chain tolerance"
+            assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    if routing == "skewed":
+        assert empty > 0, "skewed routing should leave an expert without rows"
+
+
+def fp8_weights(L, D, O, gen, kmajor=True):
+    """Block-quantised random weights: (q [L, D, O] e4m3, scales [L, D/128, O/128], fp32 values
+    q * scale). ``kmajor``: D contiguous (how LocalExperts and checkpoints hold them)."""
+    q, s = quantize_fp8_blocks_torch(torch.randn(L, D, O, generator=gen) / D**0.5 * 4.0 ** torch.randint(
+        -1, 2, (L, 1, 1), generator=gen))
+    deq = reference.dequantize_fp8_blocks(q, s)
+    if kmajor:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    return q.to(device), s.to(device), deq
+
+
+@pytest.mark.parametrize("a_kind", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("kmajor", [True, False], ids=["k-major", "row-major"])
+def test_grouped_gemm_fp8_weights(a_kind, kmajor):
+    # fp8 weights with 128 x 128 block scales: kernel vs twin (the same fp32 products per K
+    # block, one bf16 rounding: the bf16 tolerance), padding untouched, an empty expert, a
+    # gather; and both equal to the dequantised math within fp32 noise
+    gen = torch.Generator().manual_seed(20)
+    counts = [17, 0, 40, 5]
+    offsets, num_tokens, real = make_layout(counts, 4, 3)
+    M, D, O, rows = real.shape[0], 256, 384, 120
+    x = torch.randn(rows, D, generator=gen).to(torch.bfloat16)
+    if a_kind == "fp8":
+        a, a_s = reference.quantize_fp8(x)
+    elif a_kind == "nvfp4":
+        a, a_s = reference.quantize_nvfp4(x)
+    else:
+        a, a_s = x, None
+    q, s, deq = fp8_weights(len(counts), D, O, gen, kmajor)
+    a_row_ids = torch.full((M,), -1, dtype=torch.int32)
+    a_row_ids[real.cpu()] = torch.randperm(rows, generator=gen)[: sum(counts)].to(torch.int32)
+    kw = dict(a=a.to(device), a_scales=a_s.to(device) if a_s is not None else None, b_LDO=q, b_scales=s,
+              row_offsets_L1=offsets, num_tokens_L=num_tokens, a_row_ids=a_row_ids.to(device))
+    out = check("bf16", real, **kw)
+    # the math: every row quantised to fp8 per 128 channels (as it is, or as the A load does)
+    if a_kind == "fp8":
+        xq, xs = a, a_s
+    else:
+        rows_bf16 = reference.dequantize_nvfp4(a, a_s).to(torch.bfloat16) if a_kind == "nvfp4" else x
+        xq, xs = reference.quantize_fp8(rows_bf16)
+    xd = reference.dequantize_fp8(xq, xs)
+    want = torch.zeros(M, O)
+    offs = offsets.tolist()
+    for e, c in enumerate(counts):
+        ids = a_row_ids[offs[e]:offs[e] + c].long()
+        want[offs[e]:offs[e] + c] = xd[ids] @ deq[e]
+    torch.testing.assert_close(out[real].float().cpu(), want[real.cpu()].to(torch.bfloat16).float(), **TOL["bf16"])
+
+
+def test_grouped_gemm_fp8_weights_quantises_a_like_fp8_dispatch():
+    # bf16 rows with fp8 weights give exactly what their fp8 dispatch (quantize_fp8) gives:
+    # the A load quantises with the same bits. Kernel and twin each, bit for bit.
+    gen = torch.Generator().manual_seed(21)
+    offsets, num_tokens, real = make_layout([9, 30, 0], 8, 2)
+    M, D, O = real.shape[0], 384, 128
+    x = (torch.randn(M, D, generator=gen) * 10.0 ** torch.randint(-2, 3, (M, 1), generator=gen)).to(torch.bfloat16)
+    x[3] = 0.0  # an all-zero row: scale 1, zeros
+    q, s, _ = fp8_weights(3, D, O, gen)
+    xq, xs = reference.quantize_fp8(x)
+    kw = dict(b_LDO=q, b_scales=s, row_offsets_L1=offsets, num_tokens_L=num_tokens)
+    for fn in (grouped_gemm, grouped_gemm_torch):
+        from_bf16 = fn(a=x.to(device), **kw)
+        from_fp8 = fn(a=xq.to(device), a_scales=xs.to(device), **kw)
+        assert torch.equal(from_bf16[real], from_fp8[real]), fn.__name__
+
+
+def test_grouped_gemm_fp8_weights_persistent_grid_and_no_tokens():
+    gen = torch.Generator().manual_seed(22)
+    offsets, num_tokens, real = make_layout([30, 0, 70, 9], 16, 0)
+    q, s, _ = fp8_weights(4, 128, 256, gen)
+    kw = dict(a=rand_a(real.shape[0], 128, gen), b_LDO=q, b_scales=s, row_offsets_L1=offsets, num_tokens_L=num_tokens)
+    full = check("bf16", real, **kw)
+    few = check("bf16", real, num_sms=3, **kw)
+    assert torch.equal(full[real], few[real])
+    offsets, num_tokens, real = make_layout([0, 0, 0, 0], 8, 5)
+    out = check("bf16", real, **{**kw, "a": rand_a(real.shape[0], 128, gen), "row_offsets_L1": offsets,
+                                 "num_tokens_L": num_tokens})
+    assert bool((out == SENTINEL).all())
+
+
 def _good_args():
     L, D, O, M = 2, 128, 32, 8
     return dict(a=torch.zeros(M, D, dtype=torch.bfloat16, device=device),
@@ -257,7 +382,7 @@ BAD = [
     (dict(a=torch.zeros(8, 128, dtype=torch.float16)), "a must be bfloat16, float8_e4m3fn"),
     (dict(a=torch.zeros(8, 64, dtype=torch.bfloat16)), "a has D = 64"),
     (dict(b_LDO=torch.zeros(2, 128, dtype=torch.bfloat16)), "b_LDO must have 3 dimensions"),
-    (dict(b_LDO=torch.zeros(2, 128, 32, dtype=torch.float32)), "b_LDO must be bfloat16"),
+    (dict(b_LDO=torch.zeros(2, 128, 32, dtype=torch.float32)), "b_LDO must be bfloat16, float8_e4m3fn"),
     (dict(row_offsets_L1=torch.tensor([0, 8], dtype=torch.int32)), r"row_offsets_L1 must have shape \(3,\)"),
     (dict(row_offsets_L1=torch.tensor([0, 4, 8], dtype=torch.int64)), "row_offsets_L1 must be int32"),
     (dict(num_tokens_L=torch.tensor([4, 4], dtype=torch.int32, device="meta")), "num_tokens_L must be on"),
@@ -279,6 +404,13 @@ BAD = [
     (dict(a=torch.zeros(8, 4, dtype=torch.uint8), b_LDO=torch.zeros(2, 8, 32, dtype=torch.bfloat16)),
      "D % 16 == 0"),
     (dict(num_sms=0), "num_sms must be a positive int"),
+    (dict(b_LDO=torch.zeros(2, 128, 128, dtype=F8)), "fp8 b_LDO needs b_scales"),
+    (dict(b_LDO=torch.zeros(2, 128, 128, dtype=F8), b_scales=torch.ones(2, 1, 2)),
+     r"b_scales must have shape \(2, 1, 1\)"),
+    (dict(b_LDO=torch.zeros(2, 128, 128, dtype=F8), b_scales=torch.ones(2, 1, 1, dtype=torch.bfloat16)),
+     "b_scales must be float32"),
+    (dict(b_LDO=torch.zeros(2, 128, 32, dtype=F8), b_scales=torch.ones(2, 1, 1)), "D and O multiples of 128"),
+    (dict(b_scales=torch.ones(2, 1, 1)), "b_scales is only for fp8 b_LDO"),
 ]
 
 

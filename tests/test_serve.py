@@ -31,7 +31,7 @@ import torch
 
 from ray_ep import EPConfig, reference
 from ray_ep.errors import EPInputError
-from ray_ep.serving.model import (LOGIT_TOLERANCE, ModelWeights, MoEModelConfig, checkpoint_shapes,
+from ray_ep.serving.model import (LOGIT_TOLERANCE, ModelWeights, MoEModelConfig, check_checkpoint, checkpoint_shapes,
                                   forward_reference, generate_reference, init_model_weights, load_checkpoint,
                                   moe_layer_reference, pack_sequences, read_checkpoint_config, save_checkpoint)
 from ray_ep.serving import server as serving_server
@@ -192,6 +192,41 @@ def test_checkpoint_roundtrip_and_errors(tmp_path):
         load_checkpoint(bare, MODEL)
     with pytest.raises(FileNotFoundError):
         load_checkpoint(tmp_path / "missing.safetensors")
+
+
+def test_fp8_expert_checkpoint(tmp_path):
+    # routed experts in e4m3 with one scale per 128 x 128 block (DeepSeek-V3's weight_scale_inv
+    # in this layout): saved and loaded as they are, checked at load; the reference runs them
+    # as an fp8 EP deployment would, or converted to bf16 for a bf16 one
+    from dataclasses import replace
+
+    cfg = CKPT_MODEL.model_copy(update={"intermediate_size": 128})
+    w = init_model_weights(cfg, seed=4)
+    w8 = replace(w, experts=[e.to_expert_dtype("fp8") for e in w.experts])
+    path = tmp_path / "fp8.safetensors"
+    save_checkpoint(w8, path, dtype=torch.bfloat16)  # the cast spares fp8 experts and their scales
+    check_checkpoint(path, cfg)
+    back = load_checkpoint(path)
+    assert back.experts[1].fp8 and back.experts[1].shared_down.dtype == torch.bfloat16
+    assert torch.equal(back.experts[1].w_down.view(torch.uint8), w8.experts[1].w_down.view(torch.uint8))
+    assert torch.equal(back.experts[0].w_gate_up_scales, w8.experts[0].w_gate_up_scales)
+    fp8_logits = forward_reference(back, PROMPTS)
+    assert forward_reference(back, PROMPTS, expert_dtype="fp8").equal(fp8_logits)
+    bf16_logits = forward_reference(w, PROMPTS)
+    rel = ((fp8_logits - bf16_logits).abs().max() / bf16_logits.abs().max()).item()
+    assert 0 < rel < 0.1, rel  # fp8 weights and activations: a few percent
+    # bad scales: the key named at load
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    tensors["layers.1.experts.w_down_scale_inv"][2, 0, 0] = float("nan")
+    save_file(tensors, str(tmp_path / "nan.safetensors"))
+    with pytest.raises(EPInputError, match="layer 1: w_down_scales holds a scale that is not finite"):
+        load_checkpoint(tmp_path / "nan.safetensors", cfg)
+    del tensors["layers.0.experts.w_gate_up_scale_inv"]
+    save_file(tensors, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(EPInputError, match="layer 0: fp8 w_gate_up needs w_gate_up_scales"):
+        load_checkpoint(tmp_path / "missing.safetensors", cfg)
 
 
 def test_pack_sequences():

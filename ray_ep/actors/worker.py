@@ -30,7 +30,7 @@ from ..kernels.experts import LocalExperts, shared_experts
 from ..transport.base import Transport
 from ..transport.nvshmem import NO_MULTICAST_ENV
 from ..types import DispatchHandle
-from ..weights import init_expert_weights
+from ..weights import ExpertWeights, init_expert_weights
 from .group import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -219,23 +219,22 @@ class EPWorker:
         if g is not None:
             g.comm.close()
 
-    def load_experts(self, seed: int | None = 0, weights: dict[str, torch.Tensor] | None = None,
+    def load_experts(self, seed: int | None = 0, weights: ExpertWeights | None = None,
                      layer: int = 0, group: str = "main", draw_on_device: bool = False) -> int:
         """Experts of MoE layer ``layer``: seeded random (this rank's slice of the world's), or
-        given local tensors (keys of :class:`LocalExperts`, already sharded to this rank).
-        Returns the bytes loaded."""
+        given :class:`ExpertWeights` already sharded to this rank (L routed experts; bf16 or
+        fp8 with block scales, converted to the config's ``expert_dtype``). Returns the bytes
+        loaded."""
         g = self.group_state(group)
         cfg = g.cfg
         if weights is None:
-            w = init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(cfg), device=self.device,
-                                    draw_on_device=draw_on_device)
-            experts = LocalExperts(w.w_gate_up, w.w_down, w.shared_gate_up, w.shared_down)
-        else:
-            experts = LocalExperts(**{k: v.to(self.device, torch.bfloat16) for k, v in weights.items()})
+            weights = init_expert_weights(cfg, seed=seed, experts=self._local_expert_ids(cfg), device=self.device,
+                                          draw_on_device=draw_on_device)
+        experts = LocalExperts.build(cfg, weights, self.device)
         experts.check(cfg)
         g.experts[layer] = experts
         g.comm.scratch  # noqa: B018 - allocated now, beside the weights, not in the first forward
-        return sum(t.numel() * t.element_size() for t in vars(experts).values())
+        return sum(t.numel() * t.element_size() for t in vars(experts).values() if t is not None)
 
     def _local_expert_ids(self, cfg: EPConfig) -> range:
         L = cfg.experts_per_rank
@@ -364,7 +363,8 @@ class EPWorker:
         g = self.group_state(group)
         cfg = g.cfg
         self.load_experts(seed=expert_seed, layer=CHECK_LAYER, group=group)
-        key = (cfg.hidden_size, cfg.intermediate_size, cfg.n_experts, cfg.n_shared_experts, expert_seed)
+        key = (cfg.hidden_size, cfg.intermediate_size, cfg.n_experts, cfg.n_shared_experts, cfg.expert_dtype,
+               expert_seed)
         if self._ref_weights[0] != key:  # the whole world's experts, for the reference (CPU)
             self._ref_weights = (key, init_expert_weights(cfg, seed=expert_seed))
         weights = self._ref_weights[1]

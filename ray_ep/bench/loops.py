@@ -15,6 +15,7 @@ belongs to a token that chose that expert.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import asdict, dataclass
 
@@ -26,9 +27,12 @@ from ..fp8 import dequantize_fp8_torch, quantize_fp8_torch
 from ..nvfp4 import dequantize_nvfp4_torch, quantize_nvfp4_torch
 from ..inputs import rank_inputs
 from ..kernels.experts import run_experts, shared_experts
+from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_torch
 from ..pipeline import moe_micro_batched
 from ..transport.base import Transport
 from ..types import DispatchHandle
+
+log = logging.getLogger(__name__)
 
 SLEEP_CYCLES = 4_000_000  # ~2 ms at H100/H200 clocks: the host queues a whole phase meanwhile
 
@@ -43,7 +47,12 @@ class RankTimes:
     received_rows: int
     check_error: float
     misplaced_rows: int
-    flops: int = 0  # the experts' work per iteration (layer rows), for TFLOP/s
+    flops: int = 0
+    """Layer rows: the experts' whole work per iteration (routed rows x 6HF, shared experts)."""
+    gemm_flops: float = 0.0
+    """Layer rows: floating-point operations of this rank's two expert GEMMs (real rows only)."""
+    weight_bytes: int = 0
+    """Layer rows: bytes of this rank's routed expert weights (each GEMM reads them at least once)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -207,7 +216,12 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
     same dispatch, the experts alone (no communication: what the layer would take if
     communication were free). ``flops`` is the experts' work on the first input set.
     ``micro``: (transports, scratches) of micro-batches: the pipelined layer is timed too
-    (``layer-mb<n>``, :func:`ray_ep.pipeline.moe_micro_batched`)."""
+    (``layer-mb<n>``, :func:`ray_ep.pipeline.moe_micro_batched`).
+
+    Then, on the rows and weights of the last round: ``gemm``, this rank's two expert GEMMs
+    (gate_up over the dispatched rows, down over the SwiGLU output) as the layer runs them;
+    and ``gemm-torch``, torch's own grouped GEMM over the same rows and weights
+    (:func:`torch_expert_gemms`), where this torch build has one for the weights' dtype."""
     inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device) for i in range(sets)]
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"layer": [], "experts": []}
@@ -241,7 +255,92 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
                 remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
                 received = int(h.recv.recv_counts_R.sum())
                 flops = expert_flops(cfg, int(h.recv.num_tokens_L.sum()), x.shape[0])
-    return RankTimes(rank, times, remote, received, 0.0, 0, flops)
+        # the last round's handle stays valid until the next dispatch: time the GEMMs on it
+        gemms = {"gemm": expert_gemms(h, experts, scratch)}
+        theirs = torch_expert_gemms(h, experts, scratch)
+        if theirs is not None:
+            gemms["gemm-torch"] = theirs
+        for op, fn in gemms.items():
+            times[op] = []
+            for i in range(warmup + iters):
+                s = clock.start()
+                fn()
+                us = clock.stop(s)
+                if i >= warmup:
+                    times[op].append(us)
+    H, Fi = cfg.hidden_size, cfg.intermediate_size
+    gemm_flops = 2.0 * int(h.recv.num_tokens_L.sum()) * (H * 2 * Fi + Fi * H)
+    wbytes = sum(w.numel() * w.element_size() for w in (experts.w_gate_up_LHF2, experts.w_down_LFH,
+                                                         experts.w_gate_up_scales, experts.w_down_scales)
+                 if w is not None)
+    return RankTimes(rank, times, remote, received, 0.0, 0, flops, gemm_flops, wbytes)
+
+
+def expert_gemms(h: DispatchHandle, experts, scratch):
+    """A call that runs this rank's two expert GEMMs as :func:`run_experts` does (gate_up into
+    ``scratch.h_M2F``, down from ``scratch.a_MF`` into ``scratch.y_MH``), SwiGLU left out."""
+    on_gpu = h.x_rows.device.type == "cuda"
+    gemm = grouped_gemm if on_gpu else grouped_gemm_torch
+    r = h.recv
+    segs = dict(row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L)
+
+    def run():
+        gemm(a=h.x_rows, a_scales=h.scales_rows, a_row_ids=r.row_ids_M, b_LDO=experts.w_gate_up_LHF2,
+             b_scales=experts.w_gate_up_scales, out=scratch.h_M2F, **segs)
+        gemm(a=scratch.a_MF, a_scales=scratch.a_scales_MG, b_LDO=experts.w_down_LFH, b_scales=experts.w_down_scales,
+             out=scratch.y_MH, **segs)
+    return run
+
+
+def torch_expert_gemms(h: DispatchHandle, experts, scratch):
+    """The baseline of :func:`expert_gemms`: torch's grouped GEMM over the same expert-major
+    rows and weights, or None where this torch has none for them.
+
+    bf16 weights: ``torch._grouped_mm`` on the rows gathered and dequantised to bf16 beforehand
+    (outside the timing). fp8 weights: ``torch._scaled_grouped_mm`` on the fp8 rows, with the
+    one scale per row and per output column that it supports (ones: the bytes and the
+    tensor-core work of a 128 x 128 block-scaled GEMM, not its values). Whether it exists is
+    probed on a small problem of the same dtypes and device, never on this rank's rows, so every
+    rank decides alike (the timing loop has barriers): a build without a kernel for this device
+    (no fp8 grouped GEMM on CPU) gives None, logged."""
+    fp8 = experts.fp8
+    fn = getattr(torch, "_scaled_grouped_mm" if fp8 else "_grouped_mm", None)
+    if fn is None:
+        return None
+    w1, w2 = experts.w_gate_up_LHF2, experts.w_down_LFH
+    dev = w1.device
+    try:
+        probe = torch.zeros(16, w1.shape[1], device=dev).to(w1.dtype)
+        one = torch.tensor([16], dtype=torch.int32, device=dev)
+        if fp8:
+            fn(probe, w1[:1], torch.ones(16, device=dev), torch.ones(1, w1.shape[2], device=dev), offs=one,
+               out_dtype=torch.bfloat16)
+        else:
+            fn(probe, w1[:1], offs=one)
+    except (RuntimeError, NotImplementedError) as e:
+        log.warning("no %s baseline here: %s", fn.__name__, str(e).split(". ")[0][:200])
+        return None
+    r = h.recv
+    M = int(r.row_offsets_L1[-1])  # a host sync, before any timing
+    offs = r.row_offsets_L1[1:].contiguous()  # each expert's end row: torch's group offsets
+    a1 = h.expert_major_rows(M).to(torch.bfloat16)
+    a2 = scratch.a_MF[:M]
+    if M == 0:  # nothing arrived: nothing to multiply (torch may refuse empty groups)
+        return lambda: None
+    if fp8:
+        a1 = quantize_fp8_torch(a1)[0]
+        L = w1.shape[0]
+        ones = [torch.ones(M, device=dev), torch.ones(L, w1.shape[2], device=dev),
+                torch.ones(M, device=dev), torch.ones(L, w2.shape[2], device=dev)]
+
+        def run():
+            fn(a1, w1, ones[0], ones[1], offs=offs, out_dtype=torch.bfloat16)
+            fn(a2, w2, ones[2], ones[3], offs=offs, out_dtype=torch.bfloat16)
+    else:
+        def run():
+            fn(a1, w1, offs=offs)
+            fn(a2, w2, offs=offs)
+    return run
 
 
 def bench_alltoall(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rows_per_peer: int,

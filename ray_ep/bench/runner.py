@@ -36,8 +36,11 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3-decode": {"model": "deepseek-v3", "tokens": 128, "dtypes": ["fp8", "bf16"]},
     "qwen3-moe-prefill": {"model": "qwen3-moe", "tokens": 4096, "dtypes": ["bf16"]},
     "mixtral-prefill": {"model": "mixtral", "tokens": 4096, "dtypes": ["bf16"]},
-    "tiny": {"model": "tiny", "tokens": 32, "dtypes": ["bf16", "fp8"]},
+    # F 128 instead of the model preset's 64, so --expert-dtype fp8 runs here too (its GEMMs
+    # reduce over whole 128 x 128 weight blocks)
+    "tiny": {"model": "tiny", "tokens": 32, "dtypes": ["bf16", "fp8"], "overrides": {"intermediate_size": 128}},
 }
+EXPERT_DTYPES = ("bf16", "fp8")  # what --expert-dtype takes (EPConfig.expert_dtype)
 DISPATCH_DTYPES = ("bf16", "fp8", "nvfp4")  # what --dispatch-dtype takes (EPConfig.dispatch_dtype)
 # Table labels of run_bench's backends, by what ran: the torch backend's pipeline runs over NCCL on
 # GPUs and over gloo on CPU workers.
@@ -75,8 +78,13 @@ class BenchRow:
     misplaced_rows: int = 0
     topology: str = ""
     """n_nodes x gpus_per_node, e.g. 1x4 (one node) or 2x2 (other-node ranks get NVSHMEM puts)."""
+    experts: str = "-"
+    """Layer and GEMM rows: the routed experts' weight dtype (bf16 or fp8); '-' otherwise."""
     tflops: float | None = None
-    """experts and layer rows: the experts' dense work per GPU over the row's time (TFLOP/s)."""
+    """Layer, experts and GEMM rows: TFLOP/s per rank of the experts' work (layer and experts rows:
+    routed rows x 6HF plus shared experts; GEMM rows: the two routed GEMMs) over the row's time."""
+    weight_gbps: float | None = None
+    """GEMM rows: routed expert weight bytes / median per rank (the decode bound: weights read once)."""
 
 
 @dataclass
@@ -85,21 +93,21 @@ class BenchResult:
     meta: dict = field(default_factory=dict)
 
     def table(self) -> str:
-        head = (f"{'preset':<21}{'backend':<15}{'topo':<5}{'op':<11}{'dtype':<6}{'routing':<9}{'T/rank':>7}{'SMs':>5}"
-                f"{'median us':>11}{'p10':>9}{'p90':>9}{'remote GB/s':>12}{'recv GB/s':>10}{'check':>10}")
+        head = (f"{'preset':<21}{'backend':<15}{'topo':<5}{'op':<11}{'dtype':<6}{'wts':<5}{'routing':<9}{'T/rank':>7}"
+                f"{'SMs':>5}{'median us':>11}{'p10':>9}{'p90':>9}{'remote GB/s':>12}{'recv GB/s':>10}{'check':>10}"
+                f"{'TFLOP/s':>9}{'wt GB/s':>9}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             chk = "-" if r.check_error is None else (f"{r.check_error:.1e}" if r.misplaced_rows == 0 else "MISPLACED")
-            lines.append(f"{r.preset:<21}{r.backend:<15}{r.topology:<5}{r.op:<11}{r.dtype:<6}{r.routing:<9}{r.tokens:>7}{r.sms:>5}"
-                         f"{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}{r.remote_gbps:>12.2f}"
-                         f"{r.received_gbps:>10.2f}{chk:>10}")
-        peak = dense_bf16_peak(self.meta.get("device", ""))
-        for r in self.rows:
-            if r.tflops is not None:
-                of_peak = f" ({100 * r.tflops / peak:.0f}% of the {peak:.0f} TFLOP/s dense bf16 peak)" if peak else ""
-                rate = f"{r.tflops:.0f} TFLOP/s" if r.tflops >= 1 else f"{r.tflops * 1e3:.2f} GFLOP/s"
-                lines.append(f"# {r.op} {r.preset} {r.dtype} {r.routing} T={r.tokens} SMs {r.sms}: experts at "
-                             f"{rate} per rank{of_peak}")
+            tf = "-" if r.tflops is None else f"{r.tflops:.1f}"
+            wg = "-" if r.weight_gbps is None else f"{r.weight_gbps:.0f}"
+            lines.append(f"{r.preset:<21}{r.backend:<15}{r.topology:<5}{r.op:<11}{r.dtype:<6}{r.experts:<5}{r.routing:<9}"
+                         f"{r.tokens:>7}{r.sms:>5}{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}"
+                         f"{r.remote_gbps:>12.2f}{r.received_gbps:>10.2f}{chk:>10}{tf:>9}{wg:>9}")
+        device = self.meta.get("device", "")
+        peaks = {e: dense_peak(device, e) for e in ("bf16", "fp8")}
+        if any(r.tflops is not None for r in self.rows) and peaks["bf16"]:
+            lines.append(f"# TFLOP/s beside the device's dense peak: {peaks['bf16']:.0f} bf16, {peaks['fp8']:.0f} fp8")
         if self.meta:
             lines.append(f"# {self.meta.get('device', '?')} x{self.meta.get('world_size', '?')}, "
                          f"commit {self.meta.get('commit', '?')}, {self.meta.get('iters', '?')} iterations")
@@ -156,11 +164,14 @@ def _plot(res: BenchResult, path: str) -> None:
     tokens_of = {p: sorted({r.tokens for r in main if r.preset == p}) for p in presets}
     sweep = any(len(t) > 1 for t in tokens_of.values())
     routings = list(dict.fromkeys(r.routing for r in main))
-    dtypes = list(dict.fromkeys(r.dtype for r in main))
+    def dtype_of(r: BenchRow) -> str:  # layer rows with fp8 experts are a series of their own
+        return r.dtype if r.experts in ("-", "bf16") else f"{r.dtype} {r.experts} experts"
+
+    dtypes = list(dict.fromkeys(dtype_of(r) for r in main))
 
     # series: (backend, dtype, routing), plus the preset when lines of several presets share an axis
     def key(r: BenchRow) -> tuple:
-        return (r.preset if sweep and len(presets) > 1 else "", r.backend, r.dtype, r.routing)
+        return (r.preset if sweep and len(presets) > 1 else "", r.backend, dtype_of(r), r.routing)
 
     # ray_ep beside the pipeline for each dtype: order by (dtype, routing, backend)
     rank_of = {b: i for i, b in enumerate(_STYLE)}
@@ -277,13 +288,19 @@ def _pct(xs: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def dense_bf16_peak(device_name: str) -> float | None:
-    """Dense bf16 tensor-core peak (TFLOP/s, vendor figure) of a known GPU, else None."""
+def dense_peak(device_name: str, dtype: str = "bf16") -> float | None:
+    """Dense tensor-core peak (TFLOP/s, vendor figure; fp8 twice bf16) of a known GPU, else None."""
+    scale = 2.0 if dtype == "fp8" else 1.0
     if "H100" in device_name and "PCIe" in device_name:
-        return 756.0
+        return 756.0 * scale
     if "H100" in device_name or "H200" in device_name or "H800" in device_name:
-        return 989.4  # SXM
+        return 989.4 * scale  # SXM
     return None
+
+
+def _is_layer_op(op: str) -> bool:
+    """Rows whose TFLOP/s is the experts' whole work: layer, layer-mb<n> (micro-batched), experts."""
+    return op in ("layer", "experts") or op.startswith("layer-mb")
 
 
 def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int, **labels: Any) -> BenchRow:
@@ -294,24 +311,20 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
     remote = statistics.mean(r["remote_rows"] for r in per_rank) * nbytes_per_row
     received = statistics.mean(r["received_rows"] for r in per_rank) * nbytes_per_row
     checks = [r["check_error"] for r in per_rank]
+    gemm = {}
+    if op.startswith("gemm"):  # us -> TFLOP/s: flops / us / 1e6; bytes / us / 1e3 -> GB/s
+        gemm = dict(tflops=statistics.mean(r["gemm_flops"] / m / 1e6 if m else 0.0 for r, m in zip(per_rank, medians)),
+                    weight_gbps=statistics.mean(r["weight_bytes"] / m / 1e3 if m else 0.0
+                                                for r, m in zip(per_rank, medians)))
+    elif _is_layer_op(op):  # the experts' whole work (shared experts too) over the slowest rank's time
+        flops = statistics.mean(r.get("flops", 0) for r in per_rank)
+        gemm = dict(tflops=flops / slowest / 1e6 if flops and slowest else None)
     return BenchRow(op=op, world_size=cfg.world_size, topology=f"{cfg.n_nodes}x{cfg.gpus_per_node}",
                     median_us=slowest, p10_us=_pct(samples, 0.1), p90_us=_pct(samples, 0.9), per_rank_median_us=medians,
                     remote_gbps=remote / slowest / 1e3 if slowest else 0.0,
                     received_gbps=received / slowest / 1e3 if slowest else 0.0,
                     check_error=max(checks) if op in ("dispatch", "combine") else None,
-                    misplaced_rows=sum(r["misplaced_rows"] for r in per_rank),
-                    tflops=_tflops(per_rank, slowest) if _is_layer_op(op) else None, **labels)
-
-
-def _is_layer_op(op: str) -> bool:
-    """Rows that report the experts' TFLOP/s: layer, layer-mb<n> (micro-batched) and experts."""
-    return op in ("layer", "experts") or op.startswith("layer-mb")
-
-
-def _tflops(per_rank: list[dict], slowest_us: float) -> float | None:
-    """Mean experts' work per GPU over the slowest rank's time (CPU rows: None)."""
-    flops = statistics.mean(r.get("flops", 0) for r in per_rank)
-    return flops / slowest_us / 1e6 if flops and slowest_us else None
+                    misplaced_rows=sum(r["misplaced_rows"] for r in per_rank), **gemm, **labels)
 
 
 class _Progress:
@@ -383,8 +396,8 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
               tokens: Sequence[int] | None = None, routing: Sequence[str] = ("uniform",), iters: int = 50,
               warmup: int = 5, num_sms: int | Sequence[int | None] | None = None, fused: bool = True,
               layer: bool = False, baselines: bool = True, progress: bool = True, seed: int = 0,
-              dtypes: Sequence[str] | None = None, cuda_graph: bool = False,
-              micro_batches: int = 2) -> BenchResult:
+              dtypes: Sequence[str] | None = None, cuda_graph: bool = False, micro_batches: int = 2,
+              expert_dtypes: Sequence[str] = ("bf16",)) -> BenchResult:
     """Benchmark ``presets`` (names of BENCH_PRESETS) on a started cluster.
 
     backends: ``nvshmem`` (ray_ep's kernels) and/or ``torch`` (the NCCL / gloo pipeline);
@@ -396,8 +409,14 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
     (bf16, fp8, nvfp4; default: each preset's own list). ``cuda_graph``: ray_ep's dispatch and
     combine also replayed from CUDA graphs (rows labelled ``ray_ep-graph``; GPUs only).
     ``micro_batches``: with ``layer``, also the layer pipelined over that many micro-batches
-    (``layer-mb<n>`` rows; 1: none).
+    (``layer-mb<n>`` rows; 1: none). expert_dtypes: the routed expert weight dtypes of the
+    ``layer`` rows (bf16, fp8; each gets its layer, experts, ``gemm`` and, where torch has one,
+    ``gemm-torch`` rows).
     """
+    expert_dtypes = list(expert_dtypes)
+    bad = [e for e in expert_dtypes if e not in EXPERT_DTYPES] or ([] if expert_dtypes else ["(none)"])
+    if bad:
+        raise ValueError(f"unknown expert dtype {bad[0]!r}; choose from {list(EXPERT_DTYPES)}")
     for p in presets:
         if p not in BENCH_PRESETS:
             raise ValueError(f"unknown benchmark preset {p!r}; choose from {sorted(BENCH_PRESETS)}")
@@ -427,14 +446,14 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
                         # the torch pipeline has no SM budget: it runs once, not per budget
                         for sms in (budgets if b == "nvshmem" else [None]):
                             plan.append((p, dt, b, rt, T, sms))
-    per_case = 1 + int(layer) + int(cuda_graph)
+    per_case = 1 + int(cuda_graph) + (len(expert_dtypes) if layer else 0)
     bar = _Progress(len(plan) * per_case + (len(presets) + 1 if baselines and on_gpu else 0), progress)
     try:
         for p in presets:
             _run_preset(cluster, result, bar, p, [c for c in plan if c[0] == p], tokens=tokens, iters=iters,
                         warmup=warmup, fused=fused, layer=layer, baselines=baselines and on_gpu, seed=seed,
                         device_sms=result.meta.get("sms"), gpu_workers=gpu_workers, cuda_graph=cuda_graph,
-                        micro_batches=micro_batches)
+                        micro_batches=micro_batches, expert_dtypes=expert_dtypes if layer else expert_dtypes[:1])
         if baselines and on_gpu and base.gpus_per_node >= 2:  # a pair on one node
             bar.start("copy-engine peer copy, one GPU pair")
             per_rank = cluster.run(run_row, "peer_copy", nbytes=256 * 2**20, iters=iters, warmup=warmup)
@@ -453,19 +472,22 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
 
 def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str, plan: list[tuple], *,
                 tokens, iters: int, warmup: int, fused: bool, layer: bool, baselines: bool, seed: int,
-                device_sms, gpu_workers: bool, cuda_graph: bool = False, micro_batches: int = 2) -> None:
-    """The rows of one preset: per dispatch dtype and SM budget a worker group of its own,
-    dropped afterwards."""
+                device_sms, gpu_workers: bool, expert_dtypes: Sequence[str], cuda_graph: bool = False,
+                micro_batches: int = 2) -> None:
+    """The rows of one preset: per dispatch dtype, SM budget and expert dtype a worker group of
+    its own, dropped afterwards. Dispatch and combine rows come from the first expert dtype's
+    group only (the expert weights do not change them)."""
     spec = BENCH_PRESETS[p]
     base = cluster.config
     n_max = max(list(tokens) if tokens else [spec["tokens"]])
     groups = list(dict.fromkeys((c[1], c[5]) for c in plan))  # (dtype, budget) in plan order
-    for dt, num_sms in groups:
-        cfg = EPConfig.preset(spec["model"], n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node,
-                              max_tokens_per_rank=n_max, dispatch_dtype=dt, num_sms=num_sms,
-                              recv_timeout_s=base.recv_timeout_s)
+    for (dt, num_sms), edt in ((g, e) for g in groups for e in expert_dtypes):
+        first = edt == expert_dtypes[0]
+        cfg = EPConfig.preset(spec["model"], **{**spec.get("overrides", {}), **dict(
+            n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node, max_tokens_per_rank=n_max, dispatch_dtype=dt,
+            num_sms=num_sms, recv_timeout_s=base.recv_timeout_s, expert_dtype=edt)})
         sms_label = str(num_sms or device_sms or "-")
-        name = f"bench/{p}/{dt}/{num_sms or 'all'}"
+        name = f"bench/{p}/{dt}/{num_sms or 'all'}/{edt}"
         bar.start(f"{p} {dt}{f' at {num_sms} SMs' if num_sms else ''}: allocating buffers")
         # with --layer the micro-batched rows add buffers of their own (made on first use)
         mem_cfg = cfg.model_copy(update={"micro_batches": micro_batches}) if layer else cfg
@@ -480,13 +502,14 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
                 labels = dict(preset=p, backend=backend_label(b, gpu_workers), dtype=dt, routing=rt, tokens=T,
                               sms=sms_label if b == "nvshmem" else "-")
                 case = f"{p} {labels['backend']} {dt} {rt} T={T}"
-                bar.start(f"{case}: dispatch + combine")
-                per_rank = cluster.run(run_row, "comm", group=name, backend=b, num_tokens=T, routing=rt,
-                                       seed=seed, iters=iters, warmup=warmup, fused=fused)
-                result.rows.append(aggregate(per_rank, "dispatch", cfg, row_bytes(cfg, "dispatch"), **labels))
-                result.rows.append(aggregate(per_rank, "combine", cfg, row_bytes(cfg, "combine"), **labels))
-                bar.done()
-                if cuda_graph and b == "nvshmem":
+                if first:
+                    bar.start(f"{case}: dispatch + combine")
+                    per_rank = cluster.run(run_row, "comm", group=name, backend=b, num_tokens=T, routing=rt,
+                                           seed=seed, iters=iters, warmup=warmup, fused=fused)
+                    result.rows.append(aggregate(per_rank, "dispatch", cfg, row_bytes(cfg, "dispatch"), **labels))
+                    result.rows.append(aggregate(per_rank, "combine", cfg, row_bytes(cfg, "combine"), **labels))
+                    bar.done()
+                if first and cuda_graph and b == "nvshmem":
                     bar.start(f"{case}: dispatch + combine from CUDA graphs")
                     per_rank = cluster.run(run_row, "comm_graphs", group=name, backend=b, num_tokens=T, routing=rt,
                                            seed=seed, iters=iters, warmup=warmup, fused=fused)
@@ -495,19 +518,20 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
                     result.rows.append(aggregate(per_rank, "combine", cfg, row_bytes(cfg, "combine"), **graph_labels))
                     bar.done()
                 if layer:
-                    bar.start(f"{case}: MoE layer")
+                    bar.start(f"{case}: MoE layer, {edt} experts")
                     per_rank = cluster.run(run_row, "layer", group=name, backend=b, num_tokens=T,
                                            routing=rt, seed=seed, iters=iters, warmup=warmup,
                                            micro_batches=micro_batches)
-                    result.rows.append(aggregate(per_rank, "layer", cfg, row_bytes(cfg, "dispatch"), **labels))
-                    if micro_batches > 1:
-                        result.rows.append(aggregate(per_rank, f"layer-mb{micro_batches}", cfg,
-                                                     row_bytes(cfg, "dispatch"), **labels))
-                    if (rt, T) not in experts_done:  # the experts alone: the same kernels on every backend
-                        experts_done.add((rt, T))
-                        result.rows.append(aggregate(per_rank, "experts", cfg, 0, **labels))
+                    layer_ops = ["layer", f"layer-mb{micro_batches}", "gemm", "gemm-torch"]
+                    if (rt, T, edt) not in experts_done:  # the experts alone: the same kernels on every backend
+                        experts_done.add((rt, T, edt))
+                        layer_ops.insert(2, "experts")
+                    for op in layer_ops:  # experts and GEMM rows move no dispatch bytes
+                        if op in per_rank[0]["times_us"]:
+                            nbytes = row_bytes(cfg, "dispatch") if op.startswith("layer") else 0
+                            result.rows.append(aggregate(per_rank, op, cfg, nbytes, experts=edt, **labels))
                     bar.done()
-            if baselines and (dt, num_sms) == groups[0]:
+            if baselines and first and (dt, num_sms) == groups[0]:
                 bar.start(f"{p}: all_to_all_single, equal splits")
                 per_rank = cluster.run(run_row, "all_to_all", group=name, rows_per_peer=n_max,
                                        iters=iters, warmup=warmup)
@@ -547,7 +571,12 @@ def add_arguments(parser) -> None:
                         help="SM budget of the communication kernels, or a comma list (a sweep, e.g. 16,24,32; "
                              "'all' = no budget)")
     parser.add_argument("--split", action="store_true", help="time the split send/recv forms instead of fused")
-    parser.add_argument("--layer", action="store_true", help="also time whole MoE layers (experts included)")
+    parser.add_argument("--layer", action="store_true",
+                        help="also time whole MoE layers (experts included), the experts alone and their grouped "
+                             "GEMMs beside torch's")
+    parser.add_argument("--expert-dtype", dest="expert_dtype", default="bf16",
+                        help="comma list of bf16,fp8: the routed expert weight dtypes of the --layer rows "
+                             "(fp8: e4m3 with one scale per 128 x 128 block)")
     parser.add_argument("--micro-batches", type=positive_int, default=2,
                         help="with --layer, also the layer pipelined over this many micro-batches (1: none)")
     parser.add_argument("--cuda-graph", action="store_true",
@@ -643,6 +672,12 @@ def run_from_args(args) -> int:
         print(f"ray-ep bench: --dispatch-dtype: unknown {', '.join(bad)}; choose from {','.join(DISPATCH_DTYPES)}",
               file=sys.stderr)
         return 2
+    expert_dtypes = [e for e in args.expert_dtype.split(",") if e]
+    bad = [e for e in expert_dtypes if e not in EXPERT_DTYPES] or ([] if expert_dtypes else ["(none)"])
+    if bad:
+        print(f"ray-ep bench: --expert-dtype: unknown {', '.join(bad)}; choose from {','.join(EXPERT_DTYPES)}",
+              file=sys.stderr)
+        return 2
     progress = not args.quiet
     ep = EPCluster(cfg, address=args.address, check_memory=not args.no_memory_check)
     log_level = logging.getLogger("ray_ep").level
@@ -661,7 +696,8 @@ def run_from_args(args) -> int:
                                      routing=args.routing.split(","), iters=args.iters, warmup=args.warmup,
                                      num_sms=args.num_sms, fused=not args.split, layer=args.layer,
                                      baselines=not args.no_baselines, progress=progress, dtypes=dtypes,
-                                     cuda_graph=args.cuda_graph, micro_batches=args.micro_batches)
+                                     cuda_graph=args.cuda_graph, micro_batches=args.micro_batches,
+                                     expert_dtypes=expert_dtypes)
     except KeyboardInterrupt:
         _mute_ray_ep_logs()
         ep.shutdown(kill=True)  # idempotent: whatever a Ctrl-C inside start() or shutdown() left

@@ -13,7 +13,9 @@ Example (F = 1, M_max = 4, total_rows = [3], row_ids = [0, -1, 5, 9])::
     h = [[1., 2.], [7., 7.], [-1., 4.], [3., 3.]]
     a = [[1.4609], [out], [-1.0781], [out]]    # silu(1) * 2, row 1 padding, row 3 >= total
 
-fp8 output (e4m3 + fp32 scales per 128 channels) is not implemented yet.
+fp8 output (for a down projection with fp8 weights): ``out`` float8_e4m3fn [M_max, F] and
+``out_scales`` [M_max, F / 128] fp32, ``silu(gate) * up`` quantised from fp32 per 128
+channels (never rounded to bf16 first) with the bits of :func:`ray_ep.fp8.quantize_fp8_torch`.
 """
 
 from __future__ import annotations
@@ -22,15 +24,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import FP8_GROUP
 from ..errors import EPInputError
+from ..fp8 import quantize_fp8_torch
 from ..validation import check_tensor
 from ._util import interpreted, tile_shape
+from .quant import quantize_group
 
 
 @triton.jit
-def _swiglu_kernel(h_ptr, a_ptr, row_ids_ptr, total_rows_ptr, F,
-                   stride_hm, stride_hf, stride_am, stride_af,
-                   BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+def _swiglu_kernel(h_ptr, a_ptr, s_ptr, row_ids_ptr, total_rows_ptr, F,
+                   stride_hm, stride_hf, stride_am, stride_af, stride_sm, stride_sg,
+                   BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_f = tl.program_id(1)
     total = tl.load(total_rows_ptr)
@@ -50,11 +55,19 @@ def _swiglu_kernel(h_ptr, a_ptr, row_ids_ptr, total_rows_ptr, F,
     up = tl.load(gate_ptrs + F * stride_hf, mask=mask, other=0.0).to(tl.float32)
     a = gate * tl.sigmoid(gate) * up
     a_ptrs = a_ptr + rows64[:, None] * stride_am + cols[None, :] * stride_af
-    tl.store(a_ptrs, a.to(a_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        # BLOCK_F is a multiple of 128 and F too: every group of the tile is whole
+        q, scales = quantize_group(a, BLOCK_F // GROUP)
+        tl.store(a_ptrs, q, mask=mask)
+        groups = pid_f * (BLOCK_F // GROUP) + tl.arange(0, BLOCK_F // GROUP)
+        tl.store(s_ptr + rows64[:, None] * stride_sm + groups[None, :] * stride_sg, scales,
+                 mask=real[:, None] & (groups[None, :] < F // GROUP))
+    else:
+        tl.store(a_ptrs, a.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_swiglu(h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Tensor,
-                  out: torch.Tensor | None) -> tuple[int, int]:
+                  out: torch.Tensor | None, out_scales: torch.Tensor | None = None) -> tuple[int, int]:
     """Validate the arguments of :func:`swiglu` / :func:`swiglu_torch`; returns (M_max, F)."""
     check_tensor("h_M2F", h_M2F, dims=2, dtypes=(torch.bfloat16,))
     M, F2 = h_M2F.shape
@@ -64,9 +77,20 @@ def _check_swiglu(h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torc
     dev = h_M2F.device
     check_tensor("row_ids_M", row_ids_M, shape=(M,), dtypes=(torch.int32,), device=dev)
     check_tensor("total_rows", total_rows, shape=(1,), dtypes=(torch.int32,), device=dev)
-    if out is not None:
-        check_tensor("out", out, shape=(M, F2 // 2), dtypes=(torch.bfloat16,), device=dev)
-    return M, F2 // 2
+    F = F2 // 2
+    if out_scales is not None:  # fp8 output
+        if F % FP8_GROUP:
+            raise EPInputError(f"fp8 output needs F % {FP8_GROUP} == 0 (one scale per {FP8_GROUP} channels), "
+                               f"got F = {F}")
+        if out is None:
+            raise EPInputError("fp8 output: give out [M_max, F] float8_e4m3fn with out_scales")
+        check_tensor("out", out, shape=(M, F), dtypes=(torch.float8_e4m3fn,), device=dev)
+        check_tensor("out_scales", out_scales, shape=(M, F // FP8_GROUP), dtypes=(torch.float32,), device=dev)
+    elif out is not None:
+        if out.dtype == torch.float8_e4m3fn:
+            raise EPInputError("an fp8 out needs out_scales [M_max, F / 128] fp32")
+        check_tensor("out", out, shape=(M, F), dtypes=(torch.bfloat16,), device=dev)
+    return M, F
 
 
 def _check_launchable(device: torch.device) -> None:
@@ -76,7 +100,7 @@ def _check_launchable(device: torch.device) -> None:
 
 
 def swiglu(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Tensor,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, out_scales: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU of the real rows of an expert-major buffer, without a host sync.
 
     Args:
@@ -87,15 +111,19 @@ def swiglu(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Te
         out: optional [M_max, F] bf16 (any strides) to write into; padding rows keep their
             contents. When None a new tensor is allocated with ``torch.empty``: its padding
             rows are then undefined.
+        out_scales: optional [M_max, F / 128] fp32 (any strides); with it ``out`` must be
+            float8_e4m3fn and receives ``silu(gate) * up`` quantised per 128 channels, these
+            their scales (F a multiple of 128).
 
     Returns:
-        a_MF [M_max, F] bf16: ``bf16(silu(gate) * up)`` computed in fp32 on real rows.
+        a_MF [M_max, F]: ``bf16(silu(gate) * up)`` computed in fp32 on real rows (or its fp8
+        quantisation, see ``out_scales``).
 
     Example::
 
         a = swiglu(h_M2F=h, row_ids_M=ids, total_rows=row_offsets[-1:])
     """
-    M, F = _check_swiglu(h_M2F, row_ids_M, total_rows, out)
+    M, F = _check_swiglu(h_M2F, row_ids_M, total_rows, out, out_scales)
     _check_launchable(h_M2F.device)
     if out is None:
         out = torch.empty(M, F, dtype=torch.bfloat16, device=h_M2F.device)
@@ -103,19 +131,23 @@ def swiglu(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Te
         return out
     # 1-D index vectors are tiny: a contiguous copy (on the device, no sync) keeps the kernel simple
     row_ids_M = row_ids_M.contiguous()
-    block_m, block_f = tile_shape(F, h_M2F.device)
+    fp8 = out_scales is not None
+    block_m, block_f = tile_shape(F, h_M2F.device, multiple=FP8_GROUP if fp8 else 8)
     grid = (triton.cdiv(M, block_m), triton.cdiv(F, block_f))
-    _swiglu_kernel[grid](h_ptr=h_M2F, a_ptr=out, row_ids_ptr=row_ids_M, total_rows_ptr=total_rows, F=F,
+    s = out_scales if fp8 else out  # dummy pointer when unused
+    _swiglu_kernel[grid](h_ptr=h_M2F, a_ptr=out, s_ptr=s, row_ids_ptr=row_ids_M, total_rows_ptr=total_rows, F=F,
                          stride_hm=h_M2F.stride(0), stride_hf=h_M2F.stride(1), stride_am=out.stride(0),
-                         stride_af=out.stride(1), BLOCK_M=block_m, BLOCK_F=block_f, num_warps=4)
+                         stride_af=out.stride(1), stride_sm=s.stride(0), stride_sg=s.stride(1),
+                         BLOCK_M=block_m, BLOCK_F=block_f, FP8=fp8, GROUP=FP8_GROUP, num_warps=4)
     return out
 
 
 def swiglu_torch(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, out_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin of :func:`swiglu` (same arguments, any device; padding rows of a new output
-    are zero). Rounds like :func:`ray_ep.reference.swiglu_expert`."""
-    M, F = _check_swiglu(h_M2F, row_ids_M, total_rows, out)
+    are zero). Rounds like :func:`ray_ep.reference.swiglu_expert` (bf16 output) and
+    :func:`ray_ep.reference.swiglu_expert_fp8` (fp8 output)."""
+    M, F = _check_swiglu(h_M2F, row_ids_M, total_rows, out, out_scales)
     if out is None:
         out = torch.zeros(M, F, dtype=torch.bfloat16, device=h_M2F.device)
     # only the rows that arrived: the CPU backend runs this twin, and a capacity-sized pass
@@ -123,7 +155,13 @@ def swiglu_torch(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: to
     # layer for a handful of tokens. Reading the count is a host sync, free on a CPU.
     n = min(M, int(total_rows[0]))
     h = h_M2F[:n].float()
-    a = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]).to(torch.bfloat16)
+    a = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
     real = row_ids_M[:n] >= 0
-    out[:n] = torch.where(real[:, None], a, out[:n])
+    if out_scales is not None:
+        q, s = quantize_fp8_torch(a)
+        # torch.where has no fp8 kernel: select on the raw bytes
+        out[:n] = torch.where(real[:, None], q.view(torch.uint8), out[:n].view(torch.uint8)).view(torch.float8_e4m3fn)
+        out_scales[:n] = torch.where(real[:, None], s, out_scales[:n])
+        return out
+    out[:n] = torch.where(real[:, None], a.to(torch.bfloat16), out[:n])
     return out

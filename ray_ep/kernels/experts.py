@@ -14,39 +14,70 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import EPConfig
+from ..config import FP8_GROUP, EPConfig
 from ..errors import EPInputError
 from ..types import DispatchHandle
+from ..weights import ExpertWeights, check_expert_weights
 from .activation import swiglu, swiglu_torch
 from .grouped_gemm import grouped_gemm, grouped_gemm_torch
 
 
 @dataclass(frozen=True)
 class LocalExperts:
-    """One rank's expert weights on its device (bf16).
+    """One rank's expert weights on its device.
 
-    ``w_gate_up_LHF2`` [L, H, 2F] (gate | up), ``w_down_LFH`` [L, F, H]; shared experts
-    ``shared_gate_up_SHF2`` [S, H, 2F] and ``shared_down_SFH`` [S, F, H] (S may be 0).
+    ``w_gate_up_LHF2`` [L, H, 2F] (gate | up), ``w_down_LFH`` [L, F, H]: bf16, or fp8 e4m3 with
+    ``w_gate_up_scales`` [L, H / 128, 2F / 128] and ``w_down_scales`` [L, F / 128, H / 128]
+    fp32 (one scale per 128 x 128 block) and D (the reduction dim) contiguous, the K-major
+    layout fp8 tensor cores read. Shared experts ``shared_gate_up_SHF2`` [S, H, 2F] and
+    ``shared_down_SFH`` [S, F, H] bf16 (S may be 0).
     """
 
     w_gate_up_LHF2: torch.Tensor
     w_down_LFH: torch.Tensor
     shared_gate_up_SHF2: torch.Tensor
     shared_down_SFH: torch.Tensor
+    w_gate_up_scales: torch.Tensor | None = None
+    w_down_scales: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.w_gate_up_LHF2.dtype == torch.float8_e4m3fn
+
+    @classmethod
+    def build(cls, cfg: EPConfig, weights: ExpertWeights, device: torch.device | str) -> "LocalExperts":
+        """This rank's slice ``weights`` (L routed experts) on ``device`` in ``cfg.expert_dtype``
+        (converted if needed: :meth:`ExpertWeights.to_expert_dtype`), checked first."""
+        check_expert_weights(cfg, weights, n_routed=cfg.experts_per_rank)
+        w = weights.to_expert_dtype(cfg.expert_dtype)
+        if cfg.expert_dtype == "fp8":
+            # K-major: [L, D, O] with D contiguous (a no-op for a checkpoint's transposed views)
+            kmajor = (lambda t: t.to(device).transpose(1, 2).contiguous().transpose(1, 2))
+            return cls(kmajor(w.w_gate_up), kmajor(w.w_down), w.shared_gate_up.to(device), w.shared_down.to(device),
+                       w.w_gate_up_scales.to(device).contiguous(), w.w_down_scales.to(device).contiguous())
+        return cls(*(t.to(device) for t in (w.w_gate_up, w.w_down, w.shared_gate_up, w.shared_down)))
 
     def check(self, cfg: EPConfig) -> None:
         L, H, Fi, S = cfg.experts_per_rank, cfg.hidden_size, cfg.intermediate_size, cfg.n_shared_experts
-        want = {"w_gate_up_LHF2": (L, H, 2 * Fi), "w_down_LFH": (L, Fi, H),
-                "shared_gate_up_SHF2": (S, H, 2 * Fi), "shared_down_SFH": (S, Fi, H)}
-        for name, shape in want.items():
+        routed = torch.float8_e4m3fn if cfg.expert_dtype == "fp8" else torch.bfloat16
+        want = {"w_gate_up_LHF2": ((L, H, 2 * Fi), routed), "w_down_LFH": ((L, Fi, H), routed),
+                "shared_gate_up_SHF2": ((S, H, 2 * Fi), torch.bfloat16), "shared_down_SFH": ((S, Fi, H), torch.bfloat16)}
+        if cfg.expert_dtype == "fp8":
+            G = FP8_GROUP
+            want.update(w_gate_up_scales=((L, H // G, 2 * Fi // G), torch.float32),
+                        w_down_scales=((L, Fi // G, H // G), torch.float32))
+        for name, (shape, dtype) in want.items():
             t = getattr(self, name)
-            if tuple(t.shape) != shape or t.dtype != torch.bfloat16:
-                raise EPInputError(f"{name} must be bf16 {shape} for this config, got {t.dtype} {tuple(t.shape)}")
+            if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+                got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
+                raise EPInputError(f"{name} must be {dtype} {shape} for this config (expert_dtype "
+                                   f"{cfg.expert_dtype!r}), got {got}")
 
 
 @dataclass
 class ExpertScratch:
-    """Intermediate buffers of the expert compute, allocated once per rank.
+    """Intermediate buffers of the expert compute, allocated once per rank. With fp8 experts
+    the SwiGLU output ``a_MF`` is fp8 with ``a_scales_MG`` [M, F / 128].
 
     On GPUs (and by default) at capacity (``max_recv_rows``): the kernels read the row
     counts on the device, so no host sync and CUDA graphs work. CPU workers allocate it by
@@ -57,14 +88,17 @@ class ExpertScratch:
     h_M2F: torch.Tensor
     a_MF: torch.Tensor
     y_MH: torch.Tensor
+    a_scales_MG: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, cfg: EPConfig, device: torch.device | str, rows: int | None = None) -> "ExpertScratch":
         """``rows`` rows (None: capacity, max_recv_rows)."""
         M, Fi, H = cfg.max_recv_rows if rows is None else rows, cfg.intermediate_size, cfg.hidden_size
+        fp8 = cfg.expert_dtype == "fp8"
         return cls(torch.zeros(M, 2 * Fi, dtype=torch.bfloat16, device=device),
-                   torch.zeros(M, Fi, dtype=torch.bfloat16, device=device),
-                   torch.zeros(M, H, dtype=torch.bfloat16, device=device))
+                   torch.zeros(M, Fi, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=device),
+                   torch.zeros(M, H, dtype=torch.bfloat16, device=device),
+                   torch.ones(M, Fi // FP8_GROUP, dtype=torch.float32, device=device) if fp8 else None)
 
     @property
     def rows(self) -> int:
@@ -75,8 +109,10 @@ class ExpertScratch:
         if rows > self.rows:
             dev, Fi, H = self.y_MH.device, self.a_MF.shape[1], self.y_MH.shape[1]
             self.h_M2F = torch.zeros(rows, 2 * Fi, dtype=torch.bfloat16, device=dev)
-            self.a_MF = torch.zeros(rows, Fi, dtype=torch.bfloat16, device=dev)
+            self.a_MF = torch.zeros(rows, Fi, dtype=self.a_MF.dtype, device=dev)
             self.y_MH = torch.zeros(rows, H, dtype=torch.bfloat16, device=dev)
+            if self.a_scales_MG is not None:
+                self.a_scales_MG = torch.ones(rows, Fi // FP8_GROUP, dtype=torch.float32, device=dev)
 
 
 def run_experts(*, handle: DispatchHandle, experts: LocalExperts, scratch: ExpertScratch,
@@ -84,36 +120,42 @@ def run_experts(*, handle: DispatchHandle, experts: LocalExperts, scratch: Exper
     """Routed experts of this rank over a dispatch; returns y_MH (expert-major, scratch.y_MH).
 
     Row m of expert e: ``y[m] = (silu(x @ Wg) * (x @ Wu)) @ Wd`` with x the dispatched row
-    (dequantised from fp8 inside the first GEMM); padding rows are not computed.
+    (bf16 weights: fp8 / nvfp4 rows dequantised inside the first GEMM; fp8 weights: fp8 rows
+    as they are, bf16 / nvfp4 rows quantised per 128 channels inside it, and the SwiGLU output
+    quantised to fp8 for the down GEMM); padding rows are not computed.
     """
     on_gpu = handle.x_rows.device.type == "cuda"
     if not on_gpu:
         return run_experts_torch(handle=handle, experts=experts, scratch=scratch)
-    gemm, act = grouped_gemm, swiglu
-    r = handle.recv
-    gemm(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=r.row_ids_M, b_LDO=experts.w_gate_up_LHF2,
-         row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L, out=scratch.h_M2F, num_sms=num_sms)
-    act(h_M2F=scratch.h_M2F, row_ids_M=r.row_ids_M, total_rows=r.row_offsets_L1[-1:], out=scratch.a_MF)
-    gemm(a=scratch.a_MF, b_LDO=experts.w_down_LFH, row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L,
-         out=scratch.y_MH, num_sms=num_sms)
-    return scratch.y_MH
+    return _run(grouped_gemm, swiglu, handle, experts, scratch, num_sms, None)
 
 
 def run_experts_torch(*, handle: DispatchHandle, experts: LocalExperts, scratch: ExpertScratch,
-                    num_sms: int | None = None) -> torch.Tensor:
+                      num_sms: int | None = None) -> torch.Tensor:
     """Torch twin of :func:`run_experts`, over the rows that arrived only (it reads their
     count on the host: free on a CPU); a smaller scratch grows to them. Returns the whole
     scratch.y_MH (rows past the count untouched)."""
-    r = handle.recv
-    n = int(r.row_offsets_L1[-1])
+    n = int(handle.recv.row_offsets_L1[-1])
     scratch.ensure_rows(max(n, 1))  # row 0 exists: the combine reads it for slots of no local expert
-    h, a, y, row_ids = scratch.h_M2F[:n], scratch.a_MF[:n], scratch.y_MH[:n], r.row_ids_M[:n]
-    grouped_gemm_torch(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=row_ids,
-                     b_LDO=experts.w_gate_up_LHF2, row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L,
-                     out=h)
-    swiglu_torch(h_M2F=h, row_ids_M=row_ids, total_rows=r.row_offsets_L1[-1:], out=a)
-    grouped_gemm_torch(a=a, b_LDO=experts.w_down_LFH, row_offsets_L1=r.row_offsets_L1,
-                     num_tokens_L=r.num_tokens_L, out=y)
+    return _run(grouped_gemm_torch, swiglu_torch, handle, experts, scratch, None, n)
+
+
+def _run(gemm, act, handle: DispatchHandle, experts: LocalExperts, scratch: ExpertScratch,
+         num_sms: int | None, rows: int | None) -> torch.Tensor:
+    """The chain over the first ``rows`` expert-major rows (None: all of the scratch)."""
+    if experts.fp8 != (scratch.a_scales_MG is not None):
+        raise EPInputError("fp8 experts need the fp8 scratch (ExpertScratch.allocate of an expert_dtype 'fp8' "
+                           "config) and bf16 experts the bf16 one")
+    r = handle.recv
+    n = slice(None) if rows is None else slice(0, rows)
+    h, a, y, row_ids = scratch.h_M2F[n], scratch.a_MF[n], scratch.y_MH[n], r.row_ids_M[n]
+    a_scales = scratch.a_scales_MG[n] if scratch.a_scales_MG is not None else None
+    segs = dict(row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L)
+    gemm(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=row_ids, b_LDO=experts.w_gate_up_LHF2,
+         b_scales=experts.w_gate_up_scales, out=h, num_sms=num_sms, **segs)
+    act(h_M2F=h, row_ids_M=row_ids, total_rows=r.row_offsets_L1[-1:], out=a, out_scales=a_scales)
+    gemm(a=a, a_scales=a_scales, b_LDO=experts.w_down_LFH, b_scales=experts.w_down_scales, out=y, num_sms=num_sms,
+         **segs)
     return scratch.y_MH
 
 

@@ -14,7 +14,21 @@ An fp8 ``a`` (e4m3) comes with ``a_scales`` [rows of a, G] fp32 and is dequantis
 (``bf16(fp8 * scale)``) before the dot. An nvfp4 ``a`` is uint8 [rows of a, D / 2], two e2m1
 codes per byte, with ``a_scales`` [rows of a, D / 16] float8_e4m3fn (both may be strided views
 of the dispatch's wire rows); per tile ``bf16(e2m1(code) * scale)``, exact (per-tensor scale 1,
-see :mod:`ray_ep.nvfp4`). ``row_offsets`` / ``num_tokens`` stay on the device:
+see :mod:`ray_ep.nvfp4`).
+
+fp8 weights (``b`` float8_e4m3fn with ``b_scales`` [L, D / 128, O / 128] fp32, one scale per
+128 x 128 block) run on fp8 tensor cores, one K block of 128 at a time::
+
+    c[m] = bf16(sum_k dot(qa[m, k block], qb[k block, :]) * sa[m, k] * sb[k, o block])
+
+where an fp8 ``a`` enters as it is (``qa = a``, ``sa = a_scales``: the dispatched rows need no
+dequantise) and a bf16 or nvfp4 ``a`` is quantised per 128 channels inside the A load, with
+the bits :func:`ray_ep.fp8.quantize_fp8_torch` gives (so bf16 dispatch with fp8 weights
+computes exactly what fp8 dispatch does). Quantising A costs ALU work on every (m, o) tile,
+against halving the rate of every dot had B been dequantised to bf16 instead; fp8 dispatch
+skips it altogether.
+
+``row_offsets`` / ``num_tokens`` stay on the device:
 the grid covers the worst case and each program finds its (expert, m tile, n tile) from
 ``num_tokens``, so the host never waits. A tile never spans two experts.
 
@@ -35,20 +49,24 @@ from ..errors import EPInputError
 from ..nvfp4 import dequantize_nvfp4_torch
 from ..validation import check_tensor
 from ._util import interpreted
+from ..fp8 import quantize_fp8_torch
 from .nvfp4 import unpack_nvfp4_tile
+from .quant import quantize_group
 
 A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.uint8)  # uint8: nvfp4, two codes per byte
+B_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, a_scales_ptr, a_row_ids_ptr, b_ptr, c_ptr, row_offsets_ptr, num_tokens_ptr,
+    a_ptr, a_scales_ptr, a_row_ids_ptr, b_ptr, b_scales_ptr, c_ptr, row_offsets_ptr, num_tokens_ptr,
     L, O,
     stride_am, stride_ad, stride_sm, stride_sd,
-    stride_bl, stride_bd, stride_bo, stride_cm, stride_co,
+    stride_bl, stride_bd, stride_bo, stride_bsl, stride_bsd, stride_bso, stride_cm, stride_co,
     D: tl.constexpr, HAS_ROW_IDS: tl.constexpr, FP8: tl.constexpr, GROUP_D: tl.constexpr,
     DOT_FP32: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, NVFP4: tl.constexpr,
+    B_FP8: tl.constexpr,
 ):
     # D is constexpr: the interpreter (numpy >= 2) cannot loop up to a runtime scalar, and a
     # fixed D per weight shape costs one compile per GEMM of the model.
@@ -108,18 +126,37 @@ def _grouped_gemm_kernel(
                 a = unpack_nvfp4_tile(packed, bits).to(tl.bfloat16)
             else:
                 a = tl.load(a_ptrs, mask=a_mask[:, None] & d_mask[None, :], other=0.0)
-            if FP8:
-                # BLOCK_D divides 128: the whole d tile shares one scale per row
-                s = tl.load(a_scales_ptr + src * stride_sm + (d0 // GROUP_D) * stride_sd,
-                            mask=a_mask, other=0.0)
-                a = (a.to(tl.float32) * s[:, None]).to(tl.bfloat16)
-            b = tl.load(b_ptrs, mask=d_mask[:, None] & o_mask[None, :], other=0.0)
-            if DOT_FP32:
-                # the CPU interpreter multiplies bf16 as raw uint16 bits; fp32 holds bf16
-                # exactly, and "ieee" keeps TF32 out should this ever run on a GPU
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            if B_FP8:
+                # BLOCK_D == GROUP_D == 128: one activation scale per row and one weight scale
+                # per 128 output columns cover the whole d tile (D and O are multiples of 128)
+                if FP8:
+                    sa = tl.load(a_scales_ptr + src * stride_sm + (d0 // GROUP_D) * stride_sd,
+                                 mask=a_mask, other=0.0)
+                else:  # bf16 (or unpacked nvfp4) rows: quantise the tile as fp8 dispatch would
+                    a, sa = quantize_group(a.to(tl.float32), 1)
+                    sa = tl.reshape(sa, (BLOCK_M,))
+                b = tl.load(b_ptrs, mask=o_mask[None, :], other=0.0)
+                sb = tl.load(b_scales_ptr + e.to(tl.int64) * stride_bsl + (d0 // GROUP_D) * stride_bsd
+                             + (offs_o // GROUP_D) * stride_bso, mask=o_mask, other=0.0)
+                if DOT_FP32:
+                    # fp32 holds e4m3 exactly, and an e4m3 x e4m3 product too (8 significant bits)
+                    part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(a, b)  # fp8 tensor cores, fp32 accumulation
+                acc += part * sa[:, None] * sb[None, :]
             else:
-                acc = tl.dot(a, b, acc)
+                if FP8:
+                    # BLOCK_D divides 128: the whole d tile shares one scale per row
+                    s = tl.load(a_scales_ptr + src * stride_sm + (d0 // GROUP_D) * stride_sd,
+                                mask=a_mask, other=0.0)
+                    a = (a.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+                b = tl.load(b_ptrs, mask=d_mask[:, None] & o_mask[None, :], other=0.0)
+                if DOT_FP32:
+                    # the CPU interpreter multiplies bf16 as raw uint16 bits; fp32 holds bf16
+                    # exactly, and "ieee" keeps TF32 out should this ever run on a GPU
+                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_D * stride_ad
             b_ptrs += BLOCK_D * stride_bd
 
@@ -128,7 +165,7 @@ def _grouped_gemm_kernel(
         tile += num_programs
 
 
-def _launch_config(device: torch.device) -> dict[str, int]:
+def _launch_config(device: torch.device, b_fp8: bool = False, a_fp8: bool = False) -> dict[str, int]:
     """Tile shape: a Hopper-sized one on GPUs; small tiles for the interpreter, where every
     program runs in Python and tests want several tiles per expert.
 
@@ -137,26 +174,44 @@ def _launch_config(device: torch.device) -> dict[str, int]:
     down (D 2048, O 7168) at 602, against 552/514 with 3 stages and ~460/430 for 128x128 tiles;
     torch.matmul per expert ran 752/614. Decode (16 rows per expert) is weight-bandwidth bound
     and ran the same with BLOCK_M 64 or 128. BLOCK_D must divide 128 (one fp8 scale per d tile)
-    and be a multiple of 32 (whole nvfp4 blocks, whole packed bytes)."""
+    and be a multiple of 32 (whole nvfp4 blocks, whole packed bytes).
+
+    fp8 weights: BLOCK_D is the 128 of a scale block. BLOCK_O 128, not 256: the per-block
+    partial product is a second fp32 tile beside the accumulator (2 x 64 registers per thread
+    at 8 warps; 2 x 128 would spill). fp8 tiles of 128 x 128 take 16 KB each, so 4 stages fit
+    (128 KB); a bf16 A tile (quantised in registers) is twice that, hence 3 stages. A first
+    choice by these budgets, not yet measured."""
     if device.type != "cuda":
-        return dict(BLOCK_M=32, BLOCK_O=64, BLOCK_D=64, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=32, BLOCK_O=64, BLOCK_D=128 if b_fp8 else 64, num_warps=4, num_stages=1)
+    if b_fp8:
+        return dict(BLOCK_M=128, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=8, num_stages=4 if a_fp8 else 3)
     return dict(BLOCK_M=128, BLOCK_O=256, BLOCK_D=64, num_warps=8, num_stages=4)
 
 
 def _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_scales, out,
-                        num_sms) -> tuple[int, int, int, int]:
+                        num_sms, b_scales=None) -> tuple[int, int, int, int]:
     """Validate the arguments of :func:`grouped_gemm` / its twin; returns (M_max, D, O, L)."""
     check_tensor("a", a, dims=2, dtypes=A_DTYPES)
     dev = a.device
     nvfp4 = a.dtype == torch.uint8
     D = 2 * a.shape[1] if nvfp4 else a.shape[1]
-    check_tensor("b_LDO", b_LDO, dims=3, dtypes=(torch.bfloat16,), device=dev)
+    check_tensor("b_LDO", b_LDO, dims=3, dtypes=B_DTYPES, device=dev)
     L, Db, O = b_LDO.shape
     if Db != D:
         raise EPInputError(f"b_LDO is [L, D, O] with D = {Db}, but a has D = {D} columns; "
                            f"they must match")
     if L == 0:
         raise EPInputError("b_LDO must hold at least one expert (L >= 1)")
+    if b_LDO.dtype == torch.float8_e4m3fn:
+        if D % FP8_GROUP or O % FP8_GROUP:
+            raise EPInputError(f"fp8 b_LDO needs D and O multiples of {FP8_GROUP} (one scale per "
+                               f"{FP8_GROUP} x {FP8_GROUP} block), got D = {D}, O = {O}")
+        if b_scales is None:
+            raise EPInputError("fp8 b_LDO needs b_scales [L, D / 128, O / 128] fp32")
+        check_tensor("b_scales", b_scales, shape=(L, D // FP8_GROUP, O // FP8_GROUP), dtypes=(torch.float32,),
+                     device=dev)
+    elif b_scales is not None:
+        raise EPInputError("b_scales is only for fp8 b_LDO; b_LDO is bfloat16")
     check_tensor("row_offsets_L1", row_offsets_L1, shape=(L + 1,), dtypes=(torch.int32,), device=dev)
     check_tensor("num_tokens_L", num_tokens_L, shape=(L,), dtypes=(torch.int32,), device=dev)
     if a_row_ids is not None:
@@ -191,22 +246,26 @@ def _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_sca
 
 def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.Tensor,
                  num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
-                 a_scales: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 num_sms: int | None = None) -> torch.Tensor:
+                 a_scales: torch.Tensor | None = None, b_scales: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
     """Per-expert ``c = A @ b[e]`` over expert-major rows, without a host sync.
 
     Args:
         a: [rows, D] bf16 or float8_e4m3fn, or [rows, D / 2] uint8 (nvfp4: two e2m1 codes per
             byte); any strides. Without ``a_row_ids``, rows = M_max and output row m reads ``a[m]``.
-        b_LDO: [L, D, O] bf16 expert weights (D the reduction dim); any strides (row-major
-            [D, O] per expert is fastest).
+        b_LDO: [L, D, O] bf16 or float8_e4m3fn expert weights (D the reduction dim); any
+            strides (bf16: row-major [D, O] per expert is fastest; fp8: D contiguous, the
+            K-major layout of a checkpoint's [out, in] rows, which fp8 tensor cores read).
         row_offsets_L1: [L + 1] int32 on the device, start of each expert's segment.
         num_tokens_L: [L] int32 on the device, real rows per expert
             (``num_tokens[e] <= row_offsets[e+1] - row_offsets[e]``, not checked: no sync).
         a_row_ids: optional [M_max] int32: output row m reads ``a[a_row_ids[m]]`` (a gather,
             e.g. from a receive buffer); only real rows are read.
         a_scales: [rows, D / 128] fp32, required iff ``a`` is fp8 (``A = bf16(a * scale)``);
-            [rows, D / 16] float8_e4m3fn, required iff ``a`` is nvfp4 (any strides).
+            [rows, D / 16] float8_e4m3fn, required iff ``a`` is nvfp4 (any strides). With fp8
+            ``b_LDO`` an fp8 ``a`` is not dequantised: its scales multiply the fp8 products.
+        b_scales: [L, D / 128, O / 128] fp32, required iff ``b_LDO`` is fp8: the scale of each
+            128 x 128 block (``weight = b * scale``); D and O multiples of 128.
         out: optional [M_max, O] bf16 (any strides); padding rows keep their contents. When
             None, a ``torch.empty`` tensor is returned whose padding rows are undefined.
         num_sms: None launches one program per worst-case tile (most exit at once); an int
@@ -223,7 +282,7 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
                          a_row_ids=row_ids)       # [M_max, 2F]
     """
     M, D, O, L = _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_scales,
-                                     out, num_sms)
+                                     out, num_sms, b_scales)
     dev = a.device
     if dev.type != "cuda" and not interpreted():
         raise EPInputError(f"grouped_gemm runs Triton on CUDA tensors (or on CPU with "
@@ -232,7 +291,8 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
         out = torch.empty(M, O, dtype=torch.bfloat16, device=dev)
     if M == 0 or O == 0:
         return out
-    cfg = _launch_config(dev)
+    b_fp8 = b_LDO.dtype == torch.float8_e4m3fn
+    cfg = _launch_config(dev, b_fp8=b_fp8, a_fp8=a.dtype == torch.float8_e4m3fn)
     bm, bo = cfg["BLOCK_M"], cfg["BLOCK_O"]
     # sum_e ceil(n_e / BM) <= (sum_e n_e + L (BM - 1)) / BM, and every tile holds >= 1 row
     worst_m_tiles = min(M, (M + L * (bm - 1)) // bm)
@@ -248,25 +308,27 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
         scales = a_scales.view(torch.uint8)  # the kernel decodes the e4m3 bits
     else:
         scales = a_scales if fp8 else a  # dummy pointer when unused
+    bs = b_scales if b_fp8 else b_LDO  # dummy pointer when unused
     _grouped_gemm_kernel[grid](
-        a_ptr=a, a_scales_ptr=scales, a_row_ids_ptr=row_ids, b_ptr=b_LDO, c_ptr=out, row_offsets_ptr=row_offsets_L1,
-        num_tokens_ptr=num_tokens_L, L=L, O=O, stride_am=a.stride(0), stride_ad=a.stride(1),
-        stride_sm=scales.stride(0), stride_sd=scales.stride(1), stride_bl=b_LDO.stride(0), stride_bd=b_LDO.stride(1),
-        stride_bo=b_LDO.stride(2), stride_cm=out.stride(0), stride_co=out.stride(1),
-        D=D, HAS_ROW_IDS=a_row_ids is not None, FP8=fp8, NVFP4=nvfp4, GROUP_D=FP8_GROUP, DOT_FP32=dev.type != "cuda",
-        BLOCK_L=max(2, triton.next_power_of_2(L)), **cfg,
+        a_ptr=a, a_scales_ptr=scales, a_row_ids_ptr=row_ids, b_ptr=b_LDO, b_scales_ptr=bs, c_ptr=out,
+        row_offsets_ptr=row_offsets_L1, num_tokens_ptr=num_tokens_L, L=L, O=O, stride_am=a.stride(0),
+        stride_ad=a.stride(1), stride_sm=scales.stride(0), stride_sd=scales.stride(1), stride_bl=b_LDO.stride(0),
+        stride_bd=b_LDO.stride(1), stride_bo=b_LDO.stride(2), stride_bsl=bs.stride(0), stride_bsd=bs.stride(1),
+        stride_bso=bs.stride(2), stride_cm=out.stride(0), stride_co=out.stride(1),
+        D=D, HAS_ROW_IDS=a_row_ids is not None, FP8=fp8, NVFP4=nvfp4, B_FP8=b_fp8, GROUP_D=FP8_GROUP,
+        DOT_FP32=dev.type != "cuda", BLOCK_L=max(2, triton.next_power_of_2(L)), **cfg,
     )
     return out
 
 
 def grouped_gemm_torch(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.Tensor,
-                     num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
-                     a_scales: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                     num_sms: int | None = None) -> torch.Tensor:
+                       num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
+                       a_scales: torch.Tensor | None = None, b_scales: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
     """Torch twin of :func:`grouped_gemm` (same arguments, any device; reads the counts on
     the host; padding rows of a new output are zero; ``num_sms`` is ignored)."""
     M, D, O, L = _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_scales,
-                                     out, num_sms)
+                                     out, num_sms, b_scales)
     if out is None:
         out = torch.zeros(M, O, dtype=torch.bfloat16, device=a.device)
     offsets, counts = row_offsets_L1.tolist(), num_tokens_L.tolist()
@@ -277,6 +339,9 @@ def grouped_gemm_torch(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: 
         rows = torch.arange(lo, lo + n, device=a.device)
         src = a_row_ids[lo:lo + n].long() if a_row_ids is not None else rows
         valid = src >= 0
+        if b_LDO.dtype == torch.float8_e4m3fn:
+            out[lo:lo + n] = _fp8_expert_torch(a, a_scales, src, b_LDO[e], b_scales[e]).to(torch.bfloat16)
+            continue
         if a.dtype == torch.uint8:
             x = dequantize_nvfp4_torch(a[src.clamp(min=0)], a_scales[src.clamp(min=0)]).float()
         else:
@@ -287,3 +352,26 @@ def grouped_gemm_torch(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: 
         x = torch.where(valid[:, None], x, 0.0)
         out[lo:lo + n] = (x @ b_LDO[e].float()).to(torch.bfloat16)
     return out
+
+
+def _fp8_expert_torch(a: torch.Tensor, a_scales: torch.Tensor | None, src: torch.Tensor, b_DO: torch.Tensor,
+                      b_scales: torch.Tensor) -> torch.Tensor:
+    """fp32 ``A @ b`` of one expert with fp8 weights, K block by K block as the kernel sums:
+    ``acc += (qa @ qb) * sa * sb``. Rows with ``src < 0`` give zeros."""
+    n, (D, O) = src.shape[0], b_DO.shape
+    valid = src >= 0
+    rows = src.clamp(min=0)
+    if a.dtype == torch.float8_e4m3fn:
+        qa, sa = a[rows].float(), a_scales[rows]
+    else:
+        x = dequantize_nvfp4_torch(a[rows], a_scales[rows]) if a.dtype == torch.uint8 else a[rows]
+        q, sa = quantize_fp8_torch(x.to(torch.bfloat16))
+        qa = q.float()
+    qa = torch.where(valid[:, None], qa, 0.0)
+    qb = b_DO.float()
+    sb = b_scales.float().repeat_interleave(FP8_GROUP, dim=1)  # [D / 128, O]
+    acc = torch.zeros(n, O, dtype=torch.float32, device=a.device)
+    for g in range(D // FP8_GROUP):
+        k = slice(g * FP8_GROUP, (g + 1) * FP8_GROUP)
+        acc += (qa[:, k] @ qb[k]) * sa[:, g:g + 1] * sb[g][None, :]
+    return acc

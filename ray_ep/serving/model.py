@@ -32,9 +32,13 @@ How the model is split over R workers (data-parallel attention, expert-parallel 
     last position of each sequence; ranks return its top logits.
 
 Checkpoint layout (safetensors; any float dtype, converted on load: dense to fp32, experts
-to bf16). ``i`` runs over 0..n_layers-1; the ``shared_experts`` keys exist iff
-n_shared_experts > 0. The optional metadata entry ``ray_ep.model_config`` holds the
-:class:`MoEModelConfig` as JSON (written by :func:`save_checkpoint`).
+to bf16, except fp8 routed experts, which stay fp8 with their block scales). ``i`` runs over
+0..n_layers-1; the ``shared_experts`` keys exist iff n_shared_experts > 0; the
+``_scale_inv`` keys exist iff that layer's routed experts are float8_e4m3fn (both of them),
+one fp32 scale per 128 x 128 block, ``weight = q * scale`` (DeepSeek-V3's
+``weight_scale_inv``, in this layout's [in, out] blocks; H and F multiples of 128). The
+optional metadata entry ``ray_ep.model_config`` holds the :class:`MoEModelConfig` as JSON
+(written by :func:`save_checkpoint`).
 
 =================================  ===============  ============================================
 key                                shape            meaning
@@ -47,6 +51,8 @@ layers.{i}.mlp_norm                [H]              RMSNorm scale before the MoE
 layers.{i}.router                  [H, E]           router logits = h @ router
 layers.{i}.experts.w_gate_up       [E, H, 2F]       routed experts, columns gate | up
 layers.{i}.experts.w_down          [E, F, H]        routed experts, down projection
+layers.{i}.experts.w_gate_up_scale_inv [E, H/128, 2F/128]  fp8 routed experts only: block scales
+layers.{i}.experts.w_down_scale_inv  [E, F/128, H/128]  fp8 routed experts only: block scales
 layers.{i}.shared_experts.w_gate_up  [S_sh, H, 2F]  shared experts (every token), gate | up
 layers.{i}.shared_experts.w_down   [S_sh, F, H]     shared experts, down projection
 norm                               [H]              final RMSNorm scale
@@ -72,10 +78,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import reference
-from ..config import EPConfig
+from ..config import FP8_GROUP, EPConfig
 from ..errors import EPInputError
 from ..routing import route
-from ..weights import ExpertWeights, init_expert_weights
+from ..weights import ExpertWeights, check_expert_weights, init_expert_weights
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +189,9 @@ class ModelWeights:
         for i, w in enumerate(self.experts):
             out[f"layers.{i}.experts.w_gate_up"] = w.w_gate_up
             out[f"layers.{i}.experts.w_down"] = w.w_down
+            if w.fp8:
+                out[f"layers.{i}.experts.w_gate_up_scale_inv"] = w.w_gate_up_scales
+                out[f"layers.{i}.experts.w_down_scale_inv"] = w.w_down_scales
             if self.config.n_shared_experts:
                 out[f"layers.{i}.shared_experts.w_gate_up"] = w.shared_gate_up
                 out[f"layers.{i}.shared_experts.w_down"] = w.shared_down
@@ -194,7 +203,7 @@ class ModelWeights:
         """Check every key and shape against ``config`` (errors name the key, both shapes)."""
         want = checkpoint_shapes(config)
         missing = sorted(set(want) - set(tensors))
-        extra = sorted(set(tensors) - set(want))
+        extra = sorted(set(tensors) - set(want) - set(scale_shapes(config)))
         if missing or extra:
             raise EPInputError(f"{source} does not match the model config: missing keys {missing[:8]}"
                                f"{'...' if len(missing) > 8 else ''}, unexpected keys {extra[:8]}"
@@ -211,13 +220,19 @@ class ModelWeights:
 
         def bf16(key: str, empty_shape: tuple[int, ...]) -> torch.Tensor:
             if key in tensors:
-                return tensors[key].to(torch.bfloat16).contiguous()
+                t = tensors[key]  # fp8 routed experts stay fp8 (with their scales, below)
+                return (t if t.dtype == torch.float8_e4m3fn else t.to(torch.bfloat16)).contiguous()
             return torch.empty(empty_shape, dtype=torch.bfloat16)  # no shared experts
 
-        experts = [ExpertWeights(bf16(f"layers.{i}.experts.w_gate_up", ()), bf16(f"layers.{i}.experts.w_down", ()),
-                                 bf16(f"layers.{i}.shared_experts.w_gate_up", (0, H, 2 * Fi)),
-                                 bf16(f"layers.{i}.shared_experts.w_down", (0, Fi, H)))
-                   for i in range(config.n_layers)]
+        experts = []
+        for i in range(config.n_layers):
+            p = f"layers.{i}.experts."
+            w = ExpertWeights(bf16(p + "w_gate_up", ()), bf16(p + "w_down", ()),
+                              bf16(f"layers.{i}.shared_experts.w_gate_up", (0, H, 2 * Fi)),
+                              bf16(f"layers.{i}.shared_experts.w_down", (0, Fi, H)),
+                              tensors.get(p + "w_gate_up_scale_inv"), tensors.get(p + "w_down_scale_inv"))
+            check_expert_weights(config.expert_config(), w, where=f"{source} layer {i}")
+            experts.append(w)
         return cls(config, dense, experts)
 
 
@@ -233,6 +248,16 @@ def checkpoint_shapes(config: MoEModelConfig) -> dict[str, tuple[int, ...]]:
         if S:
             out.update({p + "shared_experts.w_gate_up": (S, H, 2 * Fi), p + "shared_experts.w_down": (S, Fi, H)})
     out.update({"norm": (H,), "head": (H, V)})
+    return out
+
+
+def scale_shapes(config: MoEModelConfig) -> dict[str, tuple[int, ...]]:
+    """The optional block-scale keys of fp8 routed experts and their shapes."""
+    H, E, Fi, G = config.hidden_size, config.n_experts, config.intermediate_size, FP8_GROUP
+    out = {}
+    for i in range(config.n_layers):
+        out[f"layers.{i}.experts.w_gate_up_scale_inv"] = (E, H // G, 2 * Fi // G)
+        out[f"layers.{i}.experts.w_down_scale_inv"] = (E, Fi // G, H // G)
     return out
 
 
@@ -263,10 +288,14 @@ def init_model_weights(config: MoEModelConfig, seed: int = 0) -> ModelWeights:
 
 def save_checkpoint(weights: ModelWeights, path: str | Path, dtype: torch.dtype | None = None) -> None:
     """Write a safetensors checkpoint (the layout above) with the config in its metadata;
-    ``dtype`` casts every tensor (e.g. bf16 to halve the file)."""
+    ``dtype`` casts every tensor (e.g. bf16 to halve the file) but fp8 experts and their scales."""
     from safetensors.torch import save_file
 
-    tensors = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in weights.state_dict().items()}
+    def cast(k: str, v: torch.Tensor) -> torch.Tensor:
+        keep = dtype is None or v.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv")
+        return (v if keep else v.to(dtype)).contiguous()
+
+    tensors = {k: cast(k, v) for k, v in weights.state_dict().items()}
     save_file(tensors, str(path), metadata={METADATA_KEY: weights.config.model_dump_json()})
 
 
@@ -288,11 +317,12 @@ def check_checkpoint(path: str | Path, config: MoEModelConfig) -> None:
     with safe_open(str(path), framework="pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     want = checkpoint_shapes(config)
-    missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
+    optional = scale_shapes(config)
+    missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want) - set(optional))
     if missing or extra:
         raise EPInputError(f"checkpoint {path} does not match the model config: missing keys {missing[:8]}, "
                            f"unexpected keys {extra[:8]} (layout: see ray_ep.serving.model)")
-    for k, shape in want.items():
+    for k, shape in [*want.items(), *((k, v) for k, v in optional.items() if k in shapes)]:
         if shapes[k] != shape:
             raise EPInputError(f"checkpoint {path}: {k} has shape {list(shapes[k])}, the config needs {list(shape)}")
 
@@ -404,16 +434,22 @@ def moe_layer_reference(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weig
     if E % world_size:
         raise ValueError(f"n_experts = {E} must be divisible by world_size = {world_size}")
     L = E // world_size
-    x = x_TH.to(torch.bfloat16)
+    x_in = x = x_TH.to(torch.bfloat16)
     if dispatch_dtype == "fp8":
         x = reference.dequantize_fp8(*reference.quantize_fp8(x)).to(torch.bfloat16)
     elif dispatch_dtype == "nvfp4":
         x = reference.dequantize_nvfp4(*reference.quantize_nvfp4(x)).to(torch.bfloat16)
+    if weights.fp8:  # the GEMM's fp8 rows: fp8 dispatch's, or bf16 / nvfp4 rows quantised the same way
+        xq, xs = reference.quantize_fp8(x_in if dispatch_dtype in ("bf16", "fp8") else x)
     ids = topk_ids_TK.long()
     y_TKH = torch.zeros(T, K, H, dtype=torch.bfloat16)
     for e in torch.unique(ids[ids >= 0]).tolist():
         t, k = torch.nonzero(ids == e, as_tuple=True)
-        y_TKH[t, k] = reference.swiglu_expert(x[t], weights.w_gate_up[e], weights.w_down[e])
+        if weights.fp8:
+            y_TKH[t, k] = reference.swiglu_expert_fp8(xq[t], xs[t], weights.w_gate_up[e], weights.w_gate_up_scales[e],
+                                                      weights.w_down[e], weights.w_down_scales[e])
+        else:
+            y_TKH[t, k] = reference.swiglu_expert(x[t], weights.w_gate_up[e], weights.w_down[e])
     wire = {"bf16": torch.bfloat16, "fp32": torch.float32}[combine_dtype]
     acc = torch.zeros(T, H, dtype=torch.float32)
     for d in range(world_size):
@@ -431,15 +467,19 @@ def moe_layer_reference(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weig
 
 
 def forward_reference(weights: ModelWeights, sequences: Sequence[Sequence[int]], *, world_size: int = 1,
-                      combine_dtype: str = "fp32", dispatch_dtype: str = "bf16") -> torch.Tensor:
+                      combine_dtype: str = "fp32", dispatch_dtype: str = "bf16",
+                      expert_dtype: str | None = None) -> torch.Tensor:
     """Last-position logits [B, V] fp32 of the model in this process (no Ray): the same
     dense code as the workers, and :func:`moe_layer_reference` for each MoE layer with the
-    wire dtypes of the EP deployment it is compared with (see LOGIT_TOLERANCE)."""
+    wire dtypes of the EP deployment it is compared with (see LOGIT_TOLERANCE).
+    ``expert_dtype``: the deployment's (its workers convert the checkpoint's experts to it at
+    load); None uses the experts as they are."""
     cfg = weights.config
     check_sequences(cfg, sequences)
+    experts = weights.experts if expert_dtype is None else [w.to_expert_dtype(expert_dtype) for w in weights.experts]
 
     def moe(i: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return moe_layer_reference(x, ids, w, weights.experts[i], world_size=world_size, combine_dtype=combine_dtype,
+        return moe_layer_reference(x, ids, w, experts[i], world_size=world_size, combine_dtype=combine_dtype,
                                    dispatch_dtype=dispatch_dtype)
 
     return forward_tokens(cfg, weights.dense, _rope_tables(cfg, "cpu"), sequences, moe)

@@ -814,7 +814,7 @@ _MODEL_FLAGS = {"vocab_size": "V: token ids 0..V-1", "hidden_size": "H", "n_laye
                 "n_heads": "attention heads", "max_seq_len": "longest prompt + generated sequence",
                 "n_experts": "E: routed experts per layer", "top_k": "K: experts per token",
                 "intermediate_size": "F: width of each SwiGLU expert", "n_shared_experts": "shared experts per layer"}
-_EP_FLAGS = ("backend", "dispatch_dtype", "combine_dtype")
+_EP_FLAGS = ("backend", "dispatch_dtype", "combine_dtype", "expert_dtype")
 _SERVE_FLAGS = ("workers", "nodes", "host", "port", "seed", "checkpoint", "max_batch_size", "batch_wait_ms",
                 "max_tokens_per_rank", "log_level", "max_requests_in_flight")
 API_TOKEN_ENV = "RAY_EP_API_TOKEN"
@@ -860,6 +860,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     e.add_argument("--backend", choices=["auto", "nvshmem", "torch"], help="EP backend (default auto)")
     e.add_argument("--dispatch-dtype", choices=["bf16", "fp8", "nvfp4"], help="dispatch wire format (default bf16)")
     e.add_argument("--combine-dtype", choices=["bf16", "fp32"], help="combine wire format (default bf16)")
+    e.add_argument("--expert-dtype", choices=["bf16", "fp8"],
+                   help="routed expert weights on the workers: bf16, or fp8 e4m3 with one scale per 128 x 128 "
+                        "block (H and F multiples of 128); a checkpoint's experts are converted (default bf16)")
     return parser
 
 
