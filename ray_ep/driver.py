@@ -329,6 +329,13 @@ class EPCluster:
         """Why the group failed and must be rebuilt (see :meth:`health`), else None."""
         return self._group.failure if self._group is not None else None
 
+    def mark_failed(self, reason: str) -> None:
+        """Declare the group failed (e.g. a health check found a rank that stopped answering):
+        a call waiting on it from another thread stops within 0.5 s with EPTimeoutError instead of
+        waiting out call_timeout_s, and the group reports ``failure`` until :meth:`restart`."""
+        if self._group is not None:
+            self._group.mark_failed(reason)
+
     def buffer_plan(self):
         return plan_buffers(self.config)
 

@@ -111,8 +111,8 @@ def dequantize_nvfp4(q_TP: torch.Tensor, scales_TB: torch.Tensor,
 
 # ---- experts -------------------------------------------------------------------------------
 def _acc(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: fp32, or the inputs' own when wider (float64)."""
-    return torch.promote_types(dtype, torch.float32)
+    """Accumulation dtype: fp32, or float64 for float64 inputs (fp8 and bf16 accumulate in fp32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def swiglu_expert(x_MH: torch.Tensor, w_gate_up_HF2: torch.Tensor, w_down_FH: torch.Tensor) -> torch.Tensor:

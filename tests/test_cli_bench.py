@@ -74,14 +74,17 @@ def test_bench_layer_rows_by_expert_dtype(ray_session, tmp_path, capsys):
     assert rc == 0
     rows = json.loads(js.read_text())["rows"]
     have_bf16 = hasattr(__import__("torch"), "_grouped_mm")
-    want = [("dispatch", "-"), ("combine", "-"), ("layer", "bf16"), ("gemm", "bf16")]
+    want = [("dispatch", "-"), ("combine", "-"), ("layer", "bf16"), ("layer-mb2", "bf16"), ("experts", "bf16"),
+            ("gemm", "bf16")]
     want += [("gemm-torch", "bf16")] if have_bf16 else []
-    want += [("layer", "fp8"), ("gemm", "fp8")]
+    want += [("layer", "fp8"), ("layer-mb2", "fp8"), ("experts", "fp8"), ("gemm", "fp8")]
     assert [(r["op"], r["experts"]) for r in rows] == want
     for r in rows:
         assert r["median_us"] > 0 and r["dtype"] == "fp8"
         gemm = r["op"].startswith("gemm")
-        assert (r["tflops"] is not None and r["tflops"] > 0 and r["weight_gbps"] > 0) == gemm
+        assert (r["weight_gbps"] is not None and r["weight_gbps"] > 0) == gemm
+        # TFLOP/s: the GEMMs' work for GEMM rows, the experts' whole work for layer / experts rows
+        assert (r["tflops"] is not None and r["tflops"] > 0) == (r["op"] not in ("dispatch", "combine"))
     out = capsys.readouterr().out
     assert "gemm-torch" in out or not have_bf16
     assert cli.main(["bench", "--backend", "torch", "--preset", "tiny", "--expert-dtype", "fp4", "--quiet"]) == 2
@@ -171,7 +174,7 @@ def test_layer_rows_with_experts_alone(ray_session, tmp_path, capsys):
     assert rows["experts"]["tflops"] > 0 and rows["layer"]["tflops"] > 0
     assert rows["experts"]["tflops"] * rows["experts"]["median_us"] == pytest.approx(
         rows["layer"]["tflops"] * rows["layer"]["median_us"])
-    assert "# experts tiny bf16 uniform T=32" in out and "per rank" in out
+    assert "TFLOP/s" in out.splitlines()[0] and " experts " in out
 
 
 def test_expert_flops_counts_routed_rows_and_shared_experts():

@@ -201,6 +201,34 @@ def test_silent_peer_on_the_torch_backend(ep):
     assert_serves_as_before(ep)
 
 
+def _rank_1_hangs(worker, seconds):
+    if worker.rank == 1:
+        time.sleep(seconds)
+    return worker.rank
+
+
+def test_marking_the_group_failed_releases_a_waiting_call(ep):
+    """A health check that finds a rank stalled marks the group failed from another thread: the
+    call waiting on that rank ends at once with EPTimeoutError naming it, not after
+    call_timeout_s (a serving step would otherwise hold the lock its rebuild needs)."""
+    import threading
+
+    if ep.kind != "cpu":
+        pytest.skip("driver-side logic: the CPU case covers it")
+    timer = threading.Timer(1.0, ep.mark_failed, args=("rank 1 did not answer a ping (test)",))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EPTimeoutError, match=r"abandoned on rank\(s\) \[1\].*did not answer a ping"):
+            ep.run(_rank_1_hangs, 60.0)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 30.0  # released by the mark, long before rank 1 wakes (60 s)
+    assert ep.health() == [False, False] and "did not answer a ping" in ep.failure
+    ep.restart()
+    assert_serves_as_before(ep)
+
+
 def test_restart_needs_a_started_cluster(ray_session):
     with pytest.raises(EPStateError, match="not running"):
         EPCluster(CFG).restart()

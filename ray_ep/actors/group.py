@@ -55,7 +55,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.actor import ActorClass, ActorHandle
@@ -158,6 +158,8 @@ class _Outcome:
     """The actor died or could not be reached."""
     pending: list[int] = field(default_factory=list)
     """Still running at the deadline."""
+    aborted: str | None = None
+    """Why the wait stopped early: the group was marked failed from outside."""
 
 
 # ---- pure helpers (no Ray calls; unit-tested) -----------------------------------------------
@@ -693,7 +695,8 @@ class EPWorkerGroup:
             raise ValueError(f"call_timeout_s = {timeout_s} must be > 0")
         ranks = list(refs_by_rank)
         deadline = time.monotonic() + timeout_s
-        outcome = self._gather([refs_by_rank[r] for r in ranks], deadline=deadline)
+        outcome = self._gather([refs_by_rank[r] for r in ranks], deadline=deadline,
+                               failed=lambda: self._failure if self._state is _State.FAILED else None)
         by_rank = lambda d: {ranks[i]: v for i, v in d.items()}  # noqa: E731
         deaths, task_errors = by_rank(outcome.deaths), by_rank(outcome.task_errors)
         pending = [ranks[i] for i in outcome.pending]
@@ -743,6 +746,9 @@ class EPWorkerGroup:
                 exc.add_note(note)
             logger.debug("%s: %s", note, _cause_text(exc))
             raise exc
+        if pending and outcome.aborted:
+            raise EPTimeoutError(f"{what} was abandoned on rank(s) {pending}: {outcome.aborted}. The group is "
+                                 f"unusable and must be rebuilt (EPCluster.restart())")
         if pending:
             done = sorted(set(ranks) - set(pending))
             self._fail(f"{what} timed out on rank(s) {pending}")
@@ -754,15 +760,21 @@ class EPWorkerGroup:
         return [outcome.values[i] for i in range(len(ranks))]
 
     @staticmethod
-    def _gather(refs: list[ray.ObjectRef], *, deadline: float) -> _Outcome:
-        """Wait for refs until all are done, the deadline passes, or ERROR_GRACE_S after the
-        first failure (so that ranks blocked on a failed peer do not hold the caller)."""
+    def _gather(refs: list[ray.ObjectRef], *, deadline: float,
+                failed: Callable[[], str | None] = lambda: None) -> _Outcome:
+        """Wait for refs until all are done, the deadline passes, ERROR_GRACE_S after the
+        first failure (so that ranks blocked on a failed peer do not hold the caller), or the
+        group is marked failed from outside (``failed()`` gives the reason: a health check
+        found a rank stalled while this call waited on it)."""
         index = {ref: i for i, ref in enumerate(refs)}
         out = _Outcome()
         pending = list(refs)
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                break
+            out.aborted = failed()
+            if out.aborted:
                 break
             # short waits: Python sees a Ctrl-C only between them (ray.wait blocks in C++)
             ready, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 0.5))
@@ -855,6 +867,12 @@ class EPWorkerGroup:
                 f"node {c.node_id[:12]} {c.node_ip})"
             )
         return f"rank {rank}"
+
+    def mark_failed(self, reason: str) -> None:
+        """Mark a running group failed from outside (a health check that found a rank stalled):
+        calls waiting on it stop within a poll (0.5 s) with EPTimeoutError, and it reports
+        ``failure`` until it is rebuilt."""
+        self._fail(reason)
 
     def _fail(self, reason: str) -> None:
         if self._state is _State.RUNNING:

@@ -283,12 +283,15 @@ def expert_gemms(h: DispatchHandle, experts, scratch):
     gemm = grouped_gemm if on_gpu else grouped_gemm_torch
     r = h.recv
     segs = dict(row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L)
+    # CPU scratch holds the rows that arrived (run_experts_torch), GPU scratch every capacity row
+    n = slice(None) if on_gpu else slice(0, int(r.row_offsets_L1[-1]))
+    a_scales = scratch.a_scales_MG[n] if scratch.a_scales_MG is not None else None
 
     def run():
-        gemm(a=h.x_rows, a_scales=h.scales_rows, a_row_ids=r.row_ids_M, b_LDO=experts.w_gate_up_LHF2,
-             b_scales=experts.w_gate_up_scales, out=scratch.h_M2F, **segs)
-        gemm(a=scratch.a_MF, a_scales=scratch.a_scales_MG, b_LDO=experts.w_down_LFH, b_scales=experts.w_down_scales,
-             out=scratch.y_MH, **segs)
+        gemm(a=h.x_rows, a_scales=h.scales_rows, a_row_ids=r.row_ids_M[n], b_LDO=experts.w_gate_up_LHF2,
+             b_scales=experts.w_gate_up_scales, out=scratch.h_M2F[n], **segs)
+        gemm(a=scratch.a_MF[n], a_scales=a_scales, b_LDO=experts.w_down_LFH, b_scales=experts.w_down_scales,
+             out=scratch.y_MH[n], **segs)
     return run
 
 

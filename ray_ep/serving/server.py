@@ -571,7 +571,11 @@ class MoEServer:
         except Exception:  # noqa: BLE001 - a rebuild that started meanwhile took the group away
             return
         if not all(ok):
-            self._start_recovery(generation, _why_unhealthy(self.cluster, ok, "Serve's health check"))
+            reason = _why_unhealthy(self.cluster, ok, "Serve's health check")
+            # a step stuck on the silent rank holds the lock the rebuild needs: let it go now
+            # instead of after call_timeout_s (its requests are retried on the rebuilt group)
+            self.cluster.mark_failed(reason)
+            self._start_recovery(generation, reason)
 
     # -- HTTP --
     async def __call__(self, request):
