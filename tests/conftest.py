@@ -93,3 +93,16 @@ def pytest_collection_modifyitems(config, items):
             need = int(multi.args[0]) if multi.args else int(multi.kwargs.get("n", 2))
             if n_gpus < need:
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} GPUs, found {n_gpus}"))
+
+
+@pytest.fixture(scope="module")
+def ship_module_by_value(request):
+    """Functions and classes of the test module handed to Ray workers (``EPCluster.run``,
+    actors) travel by value: workers cannot import tests/, which is no package on their path.
+    Use it with ``pytestmark = pytest.mark.usefixtures("ship_module_by_value")``."""
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(request.module)
+    yield
+    ray.cloudpickle.unregister_pickle_by_value(request.module)
+

@@ -11,7 +11,6 @@ Legend: R ranks, T tokens on a rank, H hidden size, K top-k, E experts, L = E / 
 from __future__ import annotations
 
 import functools
-import sys
 import time
 
 import pytest
@@ -101,14 +100,7 @@ def start_cluster(cfg: EPConfig, seed: int | None = LAYER0_SEED) -> EPCluster:
 
 
 # ---- fixtures --------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def _ship_this_module():
-    # Functions handed to EPCluster.run are defined here; the workers cannot import this
-    # module (tests/ is no package on their path), so they travel by value.
-    module = sys.modules[__name__]
-    ray.cloudpickle.register_pickle_by_value(module)
-    yield
-    ray.cloudpickle.unregister_pickle_by_value(module)
+pytestmark = pytest.mark.usefixtures("ship_module_by_value")  # EPCluster.run gets this module's functions
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 from ray_ep import EPCluster, EPConfig, make_inputs
@@ -41,13 +40,7 @@ KINDS = ["cpu", pytest.param("nvshmem", marks=pytest.mark.multi_gpu(2)),
 TOKENS = [7, 4, 5, 3]  # per rank (the first R)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ship_this_module():
-    # the functions handed to EPCluster.run live here; workers cannot import tests/: by value
-    module = sys.modules[__name__]
-    ray.cloudpickle.register_pickle_by_value(module)
-    yield
-    ray.cloudpickle.unregister_pickle_by_value(module)
+pytestmark = pytest.mark.usefixtures("ship_module_by_value")  # EPCluster.run gets this module's functions
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -13,7 +13,6 @@ on the device); and a peer that never signals must give a timeout error naming i
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import ray
@@ -23,7 +22,8 @@ from ray_ep import EPCluster, EPConfig, EPTimeoutError
 from ray_ep.bench.loops import run_row
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs at least 2 CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs at least 2 CUDA GPUs"),
+              pytest.mark.usefixtures("ship_module_by_value")]  # EPCluster.run gets this module's functions
 
 # bf16 output after several bf16 roundings (see ray_ep.driver.TOLERANCE)
 TOL = 3e-2
@@ -158,7 +158,6 @@ def _silent_peer(worker, silent_rank: int, group: str):
 
 
 def test_silent_peer_times_out(cluster):
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this file
     name = "test/silent"
     # long enough for the skew between the ranks' Ray calls (0.5 s was not, on 2x2), short for a test
     cfg = _group_cfg(cluster, "tiny", "bf16", recv_timeout_s=3.0)
@@ -232,7 +231,6 @@ def _graph_rounds(worker, group: str, fused: bool, rounds: int) -> dict:
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
 def test_cuda_graph_replays(cluster, dtype, fused):
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this file
     if cluster.config.n_nodes > 1:
         pytest.skip("graph capture is checked on one node (NVLink stores)")
     name = f"test/graph/{dtype}/{fused}"
@@ -270,7 +268,6 @@ def _graph_silent_peer(worker, silent_rank: int, group: str):
 
 
 def test_cuda_graph_replay_with_a_silent_peer_times_out(cluster):
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     if cluster.config.n_nodes > 1:
         pytest.skip("graph capture is checked on one node (NVLink stores)")
     name = "test/graph-silent"
@@ -306,7 +303,6 @@ def _graph_layers(worker, group: str, counts: list[int], dtype_seed: int) -> dic
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_layer_from_cuda_graphs_equals_eager(cluster, dtype):
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     if cluster.config.n_nodes > 1:
         pytest.skip("graph capture is checked on one node (NVLink stores)")
     name = f"test/graph-layer/{dtype}"
