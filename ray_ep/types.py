@@ -97,6 +97,9 @@ class DispatchHandle:
         dequantised for fp8 and nvfp4; padding and unused rows are 0. No host sync."""
         ids = self.recv.row_ids_M if num_rows is None else self.recv.row_ids_M[:num_rows]
         ids = ids.long()
+        if not self.x_rows.shape[0]:  # nothing arrived (the torch backend's packed receive)
+            H = self.x_rows.shape[1] * (2 if self.x_rows.dtype == torch.uint8 else 1)
+            return torch.zeros(ids.shape[0], H, dtype=dtype, device=ids.device)
         safe = ids.clamp(min=0)
         rows = self.x_rows[safe]
         if self.x_rows.dtype == torch.uint8:

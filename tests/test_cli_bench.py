@@ -350,3 +350,16 @@ def test_ctrl_c_during_a_long_row_kills_the_workers(ray_session, monkeypatch, ca
     assert capsys.readouterr().err.strip().splitlines()[-1] == INTERRUPTED
     assert elapsed < 20, f"took {elapsed:.1f} s after Ctrl-C"
     _assert_dead(seen["actors"])
+
+
+def test_soak_rounds_including_empty_ones(ray_session):
+    """The soak loop (the GPU suite's 200 rounds) on CPU workers: fresh inputs each round, and
+    rounds where no rank has a token (nothing arrives anywhere) check as exact."""
+    from ray_ep import EPCluster
+    from ray_ep.bench.loops import run_row
+
+    with EPCluster(EPConfig.preset("tiny", gpus_per_node=2)) as ep:
+        for tokens in (16, 0):
+            res = ep.run(run_row, "soak", rounds=2, num_tokens=tokens, routing="skewed", fused=True)
+            assert [r["misplaced_rows"] for r in res] == [0, 0]
+            assert all(r["max_rel_error"] < 2e-2 for r in res) and (tokens or all(r["max_rel_error"] == 0 for r in res))

@@ -66,6 +66,8 @@ def identity_outputs(h: DispatchHandle) -> torch.Tensor:
 def misplaced_rows(h: DispatchHandle, cfg: EPConfig, rank: int) -> int:
     """Expert-major rows whose token did not choose the segment's expert (must be 0)."""
     L, K = cfg.experts_per_rank, cfg.top_k
+    if not h.meta_rows.shape[0]:  # the torch backend's packed receive: nothing arrived
+        return 0
     r = h.recv
     offs = r.row_offsets_L1.long()
     seg = torch.searchsorted(offs[1:], torch.arange(r.row_ids_M.numel(), device=offs.device), right=True)
@@ -84,6 +86,23 @@ def expected_round_trip(x: torch.Tensor, w: torch.Tensor, cfg: EPConfig) -> torc
     return x.float() * w.sum(-1, keepdim=True)
 
 
+def round_trip_error(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: EPConfig) -> float:
+    """Largest error of an identity-expert round trip relative to the largest expected value."""
+    if not x.shape[0]:
+        return 0.0
+    exp = expected_round_trip(x, w, cfg)
+    return ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item()
+
+
+def round_trip_figures(h: DispatchHandle, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: EPConfig,
+                       rank: int) -> tuple[float, int, int, int]:
+    """(round-trip error, misplaced rows, rows sent to other ranks, rows received) of one
+    checked dispatch + identity-expert combine."""
+    remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
+    return (round_trip_error(out, x, w, cfg), misplaced_rows(h, cfg, rank), remote,
+            int(h.recv.recv_counts_R.sum()))
+
+
 def soak(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rounds: int, num_tokens: int,
          routing: str, fused: bool, seed: int = 0) -> dict:
     """``rounds`` dispatch + combine rounds in a row on the same buffers, fresh inputs each
@@ -94,9 +113,7 @@ def soak(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rounds
         h = t.dispatch(x, ids, w, fused=fused)
         bad += misplaced_rows(h, cfg, rank)
         out = t.combine(identity_outputs(h), h, torch.bfloat16, fused=fused)
-        if num_tokens:
-            exp = expected_round_trip(x, w, cfg)
-            worst = max(worst, ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item())
+        worst = max(worst, round_trip_error(out, x, w, cfg))
     return {"rank": rank, "max_rel_error": worst, "misplaced_rows": bad, "rounds": rounds}
 
 
@@ -133,12 +150,8 @@ def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, 
     # correctness once, before timing
     x, ids, w = inputs[0]
     h = t.dispatch(x, ids, w)
-    bad = misplaced_rows(h, cfg, rank)
-    out = t.combine(identity_outputs(h), h, torch.bfloat16)
-    exp = expected_round_trip(x, w, cfg)
-    err = ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item() if num_tokens else 0.0
-    remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
-    received = int(h.recv.recv_counts_R.sum())
+    err, bad, remote, received = round_trip_figures(h, t.combine(identity_outputs(h), h, torch.bfloat16), x, w, cfg,
+                                                    rank)
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"dispatch": [], "combine": []}
     with t.deferred_checks():  # no host sync inside the timed region
@@ -191,11 +204,7 @@ def bench_comm_graphs(t: Transport, cfg: EPConfig, rank: int, device: torch.devi
         c_us = clock.stop(s)
         t.check_status()  # a timeout or overflow flagged during the replays
         if i == 0:
-            bad = misplaced_rows(h, cfg, rank)
-            exp = expected_round_trip(xi, wi, cfg)
-            err = ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item() if num_tokens else 0.0
-            remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
-            received = int(h.recv.recv_counts_R.sum())
+            err, bad, remote, received = round_trip_figures(h, out, xi, wi, cfg, rank)
         if i >= warmup:
             times["dispatch"].append(d_us)
             times["combine"].append(c_us)
