@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from .kernels._util import num_sms
 from .kernels.experts import ExpertScratch, LocalExperts, run_experts, shared_experts
 from .transport.base import Transport
 
@@ -45,10 +46,6 @@ def micro_batch_bounds(num_tokens: int, parts: int) -> list[tuple[int, int]]:
 def micro_batch_tokens(max_tokens_per_rank: int, parts: int) -> int:
     """The most tokens one micro-batch can hold (its transport's max_tokens_per_rank)."""
     return -(-max_tokens_per_rank // parts)
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _comm_stream(device: torch.device) -> torch.cuda.Stream:
@@ -94,7 +91,7 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
         # the grouped GEMM is persistent (one program per SM it may use): under an SM budget it
         # leaves the communication kernels' SMs free, or they would wait for it to finish
         budget = transports[0].cfg.num_sms
-        gemm_sms = max(1, _sm_count(x_TH.device) - budget) if budget else None
+        gemm_sms = max(1, num_sms(x_TH.device) - budget) if budget else None
         ys, adds, computed = [], [], []
         for h, s, p, ev in zip(handles, scratches, parts, dispatched):
             compute.wait_event(ev)
