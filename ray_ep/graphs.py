@@ -22,6 +22,7 @@ from typing import Callable, Hashable
 
 import torch
 
+from .errors import EPInputError
 from .transport.base import Transport
 
 
@@ -61,9 +62,12 @@ class LayerGraphs:
             keep: object = None) -> torch.Tensor:
         """One layer for T tokens through the graph of (key, bucket(T)); out [T, H] (a new tensor).
         ``keep``: an object the graph reads through raw pointers (the experts), held with it."""
+        T = x_TH.shape[0]
+        if T > self.max_tokens:  # checked here too: callers skip validation (validate=False) in hot loops
+            raise EPInputError(f"{T} tokens exceed max_tokens_per_rank = {self.max_tokens}, the largest token "
+                               f"bucket a layer is captured for; split the batch or raise max_tokens_per_rank")
         if x_TH.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the inputs are on {x_TH.device}")
-        T = x_TH.shape[0]
         bucket = token_bucket(T, self.max_tokens)
         full = (key, bucket, x_TH.dtype)
         c = self._graphs.get(full)

@@ -183,6 +183,19 @@ def test_token_buckets():
     assert token_bucket(20, 24) == 24  # capped at max_tokens_per_rank
 
 
+def test_layer_graphs_refuse_more_tokens_than_the_largest_bucket():
+    """Callers skip validation in hot loops (validate=False): more tokens than
+    max_tokens_per_rank is still a clear error, not a copy into too small a captured input."""
+    from ray_ep.graphs import LayerGraphs
+
+    graphs = LayerGraphs(transport=None, max_tokens=24)
+    x, ids, w = torch.zeros(25, 8), torch.zeros(25, 2, dtype=torch.int32), torch.zeros(25, 2)
+    with pytest.raises(EPInputError, match="25 tokens exceed max_tokens_per_rank = 24"):
+        graphs.moe("layer", lambda *a: None, x, ids, w)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):  # 24 fit; CPU cannot capture
+        graphs.moe("layer", lambda *a: None, x[:24], ids[:24], w[:24])
+
+
 @pytest.mark.parametrize("bad", [0, 9, 1.5, True, "2"])
 def test_bad_micro_batches_is_refused(ep2, bad):
     cfg = ep2.config
