@@ -141,6 +141,11 @@ class EPCluster:
         self._check_memory = check_memory
         self._use_gpu_resolved = False  # what start() decided
 
+    @property
+    def use_gpu(self) -> bool:
+        """Whether the workers hold GPUs (what :meth:`start` decided; False before it)."""
+        return self._use_gpu_resolved
+
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "EPCluster":
         """Start Ray if needed, the workers, the rendezvous and the backend."""

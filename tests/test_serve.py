@@ -36,8 +36,8 @@ from ray_ep.serving.model import (LOGIT_TOLERANCE, ModelWeights, MoEModelConfig,
                                   moe_layer_reference, pack_sequences, read_checkpoint_config, save_checkpoint)
 from ray_ep.serving import server as serving_server
 from ray_ep.serving.server import (EXIT_USAGE, RequestError, ServeOptions, ServerStats, add_arguments,
-                                   options_from_args, percentile, serve_logging_config, summarize_phases,
-                                   validate_request)
+                                   options_from_args, percentile, serve_logging_config, summarize_graphs,
+                                   summarize_phases, validate_request)
 from ray_ep.inputs import make_inputs
 from ray_ep.weights import init_expert_weights
 
@@ -165,6 +165,72 @@ def test_api_token_from_the_environment_and_other_limits(monkeypatch):
         options_from_args(parser.parse_args(["--api-token-env", "MY_OTHER_TOKEN"]))
     with pytest.raises(ValueError, match="must exceed max_requests_in_flight"):
         ServeOptions(model=MODEL, workers=2, max_requests_in_flight=2000)
+
+
+def test_cuda_graph_option_flag_and_yaml(tmp_path):
+    import argparse
+
+    parser = add_arguments(argparse.ArgumentParser())
+    assert ServeOptions(model=MODEL).cuda_graph is True  # on by default (active on GPU workers only)
+    assert options_from_args(parser.parse_args([])).cuda_graph is True
+    assert options_from_args(parser.parse_args(["--no-cuda-graph"])).cuda_graph is False
+    cfg_yaml = tmp_path / "serve.yaml"
+    cfg_yaml.write_text("cuda_graph: false\nmax_batch_size: 4\n")
+    opts = options_from_args(parser.parse_args(["--config", str(cfg_yaml)]))
+    assert opts.cuda_graph is False and opts.max_batch_size == 4
+    cfg_yaml.write_text("cuda_graph: true\n")
+    assert options_from_args(parser.parse_args(["--config", str(cfg_yaml)])).cuda_graph is True
+    assert options_from_args(parser.parse_args(["--config", str(cfg_yaml), "--no-cuda-graph"])).cuda_graph is False
+    with pytest.raises(ValueError, match="cuda_graph"):
+        ServeOptions(model=MODEL, cuda_graph="sometimes")
+
+
+def test_cuda_graph_is_active_only_on_gpu_workers_with_nvshmem():
+    """EPModel(cuda_graph=True) replays graphs only where the layer can be captured, and says
+    why not elsewhere (never an error)."""
+    import types
+
+    from ray_ep.serving.model import EPModel
+
+    weights = init_model_weights(MODEL, seed=0)
+
+    def status(requested: bool, use_gpu: bool, resolved: str, **ep):
+        cluster = types.SimpleNamespace(config=MODEL.ep_config(world_size=2, max_tokens_per_rank=96, **ep),
+                                        use_gpu=use_gpu, backend=resolved, world_size=2)
+        model = EPModel(cluster, weights, cuda_graph=requested)
+        return model.cuda_graph_status, model.cuda_graph
+
+    assert status(True, True, "nvshmem") == ("on", True)
+    assert status(False, True, "nvshmem") == ("off", False)
+    assert status(True, False, "torch") == ("off (CPU workers)", False)
+    assert status(True, True, "torch", backend="torch") == ("off (backend torch; graphs need nvshmem)", False)
+    assert status(True, True, "nvshmem", micro_batches=2) == ("off (micro_batches = 2; graphs need 1)", False)
+
+
+def test_forward_rank_on_a_cpu_worker_runs_eager_layers():
+    """A CPU worker told to replay graphs runs the eager layer (a capture needs CUDA) and still
+    gives the reference's logits."""
+    import contextlib
+    import types
+
+    from ray_ep.serving.model import _forward_rank, _install_model
+
+    weights = init_model_weights(MODEL, seed=0)
+    asked = []
+
+    def moe(x, ids, w, *, layer, out_dtype, validate, cuda_graph):
+        asked.append(cuda_graph)
+        return moe_layer_reference(x, ids, w, weights.experts[layer])
+
+    worker = types.SimpleNamespace(rank=0, device=torch.device("cpu"), state={}, moe=moe,
+                                   stats=types.SimpleNamespace(phase=lambda name: contextlib.nullcontext()))
+    _install_model(worker, MODEL, weights.dense)
+    seqs = [PROMPTS[0], PROMPTS[2]]
+    ids, vals = _forward_rank(worker, seqs, 3, "fp32", cuda_graph=True)
+    assert asked == [False] * MODEL.n_layers
+    ref = torch.topk(forward_reference(weights, seqs), 3, dim=-1)
+    assert torch.equal(ids, ref.indices)
+    torch.testing.assert_close(vals, ref.values)
 
 
 def test_checkpoint_roundtrip_and_errors(tmp_path):
@@ -323,6 +389,12 @@ def test_stats_and_percentiles():
     s = summarize_phases(per_rank)
     assert s["phases"]["dispatch"]["seconds"] == 3.0 and s["phases"]["experts"]["per_rank_seconds"] == [2.0, 0.0]
     assert s["tokens_per_expert"] == [1, 2, 3, 4] and s["tokens_per_rank"] == [5, 7]
+    graphs = [{**per_rank[0], "graphs": {"graphs": 3, "captures": 4, "replays": 10}},
+              {**per_rank[1], "graphs": {"graphs": 2, "captures": 2, "replays": 12}}]
+    assert summarize_graphs("on", graphs) == {"status": "on", "graphs_per_rank": [3, 2], "captures_per_rank": [4, 2],
+                                              "replays_per_rank": [10, 12], "captures": 6, "replays": 22}
+    assert summarize_graphs("off (CPU workers)", per_rank) == {"status": "off (CPU workers)"}  # no counters
+    assert summarize_graphs("on", None) == {"status": "on"}  # the workers were not asked (a rebuild runs)
 
 
 @pytest.mark.multi_gpu(2)
@@ -347,6 +419,57 @@ def test_model_on_gpus_matches_reference(ray_session, dispatch_dtype):
             oracle.check(p, generated[j])
 
 
+def _same_tokens_or_near_tie(oracle: Oracle, prompts, a: list[list[int]], b: list[list[int]]) -> None:
+    """Two generations of the same prompts agree, or first differ where the reference's logits
+    of the two choices are within the tolerance (a near tie)."""
+    for p, x, y in zip(prompts, a, b):
+        if x != y:
+            step = next(i for i, (u, v) in enumerate(zip(x, y)) if u != v)
+            ref = oracle.logits(list(p) + x[:step])
+            assert (ref[x[step]] - ref[y[step]]).abs() <= oracle.tol * ref.abs().max(), (p, x, y)
+
+
+@pytest.mark.multi_gpu(2)
+def test_model_on_gpus_with_cuda_graphs(ray_session):
+    """The served model on 2 GPUs (nvshmem) with its MoE layers replayed from CUDA graphs and
+    eagerly, profiling on (its per-phase syncs must stay outside the captures): every token the
+    reference's, graph and eager the same (a difference only at a near tie: they may round the
+    shared expert's GEMM differently), and the workers replayed graphs."""
+    from ray_ep import EPCluster
+    from ray_ep.serving.model import EPModel
+
+    weights = init_model_weights(MODEL, seed=0)
+    # 64 tokens per rank: buckets 1 .. 64, several of them visited as the sequences grow
+    cfg = MODEL.ep_config(world_size=2, max_tokens_per_rank=64)
+    prompts = PROMPTS + PROMPTS[:2]
+    with EPCluster(cfg, use_gpu=True) as ep:
+        graphed = EPModel(ep, weights, cuda_graph=True).load()
+        eager = EPModel(ep, weights, cuda_graph=False)  # the same workers, weights and experts
+        assert (graphed.cuda_graph_status, eager.cuda_graph_status) == ("on", "off")
+
+        def run(model: EPModel) -> list[list[int]]:
+            batched = model.generate(PROMPTS, max_new_tokens=6)
+            return batched + [model.generate([p], max_new_tokens=3)[0] for p in PROMPTS[:2]]  # a rank with 0 tokens
+
+        graphed.set_profiling(True)
+        out = {"graph": run(graphed)}
+        per_rank = graphed.phase_stats()
+        out["eager"] = run(eager)
+        out["graph again"] = run(graphed)  # every bucket captured by now: replays only
+        gstats = summarize_graphs(graphed.cuda_graph_status, graphed.phase_stats())
+    oracle = Oracle(weights, device="cuda", world_size=2, combine_dtype="bf16")
+    for got in out.values():
+        for p, ids in zip(prompts, got):
+            oracle.check(p, ids)
+    _same_tokens_or_near_tie(oracle, prompts, out["graph"], out["eager"])
+    _same_tokens_or_near_tie(oracle, prompts, out["graph"], out["graph again"])
+    assert gstats["status"] == "on" and gstats["captures"] >= 2 and gstats["replays"] > 0, gstats
+    assert all(n > 0 for n in gstats["replays_per_rank"]), gstats
+    for s in per_rank:  # one "layer" phase per MoE layer: a replay is not split into dispatch / combine
+        assert s["seconds"].get("layer", 0) > 0 and "dispatch" not in s["seconds"], s
+        assert s["graphs"]["captures"] > 0
+
+
 # ---- the server ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def serve_port(ray_session):
@@ -365,9 +488,10 @@ def server(serve_port):
 
     from ray_ep.serving.server import start_server
 
+    # cuda_graph on (the default) but inactive on CPU workers: the answers below are the eager layers'
     opts = ServeOptions(model=MODEL, workers=WORKERS, use_gpu=False, seed=0, max_batch_size=16, batch_wait_ms=2,
                         port=serve_port, host="127.0.0.1", app_name="moe", route_prefix="/", log_level="WARNING",
-                        max_requests_in_flight=IN_FLIGHT, body_timeout_s=BODY_TIMEOUT_S)
+                        max_requests_in_flight=IN_FLIGHT, body_timeout_s=BODY_TIMEOUT_S, cuda_graph=True)
     handle = start_server(opts)
     yield f"http://127.0.0.1:{serve_port}", init_model_weights(MODEL, seed=0), handle
     serve.delete("moe")
@@ -385,6 +509,7 @@ def test_health_and_info(server):
     assert r.status_code == 200 and r.json()["workers"] == [True, True]
     info = handle.info.remote().result()
     assert info["workers"] == 2 and info["backend"] == "torch" and info["model"] == MODEL.model_dump()
+    assert info["cuda_graph"] == "off (CPU workers)"
 
 
 def test_generate_matches_single_process_forward(server):
@@ -455,6 +580,7 @@ def test_stats(server):
     assert {"dense", "dispatch", "experts", "combine"} <= set(s["phases"])
     assert all(p["seconds"] > 0 and len(p["per_rank_seconds"]) == 2 for p in s["phases"].values())
     assert len(s["tokens_per_expert"]) == MODEL.n_experts
+    assert s["cuda_graph"] == {"status": "off (CPU workers)"}  # asked for, inactive: no counters, no error
     # every token meets K experts in each of the n_layers MoE layers
     assert sum(s["tokens_per_expert"]) == MODEL.top_k * sum(s["tokens_per_rank"])
 
@@ -560,7 +686,7 @@ def ckpt_server(serve_port, tmp_path_factory):
     opts = ServeOptions(model=CKPT_MODEL, workers=WORKERS, use_gpu=False, checkpoint=str(path),
                         ep={"combine_dtype": "fp32", "recv_timeout_s": 3.0}, max_tokens_per_rank=CKPT_MODEL.max_seq_len,
                         port=serve_port, app_name="moe-ckpt", route_prefix="/ckpt", profile=False, max_top_logits=64,
-                        log_level="WARNING", api_token_sha256=hash_token(TOKEN))
+                        log_level="WARNING", api_token_sha256=hash_token(TOKEN), cuda_graph=False)
     handle = start_server(opts)
     yield f"http://127.0.0.1:{serve_port}/ckpt", weights, handle
     serve.delete("moe-ckpt")
@@ -581,7 +707,8 @@ def test_checkpoint_server_and_its_token(ckpt_server):
     body = post(url, {"prompt_ids": PROMPTS[2], "top_logits": 64}, headers=AUTH).json()  # the whole vocabulary
     oracle.check(PROMPTS[2], body["output_ids"], body["top_logits"])
     assert sorted(body["top_logits"][0]["ids"]) == list(range(64))
-    assert requests.get(url + "/stats", timeout=30).json()["profiling"] is False
+    stats = requests.get(url + "/stats", timeout=30).json()
+    assert stats["profiling"] is False and "phases" not in stats and stats["cuda_graph"] == {"status": "off"}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
         r = post(url, {"prompt_ids": [1]}, headers=headers)
         assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"

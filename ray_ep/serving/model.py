@@ -559,16 +559,22 @@ def _install_model(worker, config: MoEModelConfig, dense: dict[str, torch.Tensor
     return sum(v.numel() * v.element_size() for v in dense.values())
 
 
-def _forward_rank(worker, sequences: list[list[int]], top_n: int, out_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_rank(worker, sequences: list[list[int]], top_n: int, out_dtype: str,
+                  cuda_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """In a worker: forward of its sequences (maybe none), MoE layers collectively; the top
-    ``top_n`` logits of each sequence's next token, on the CPU."""
+    ``top_n`` logits of each sequence's next token, on the CPU. ``cuda_graph``: the MoE layers
+    replay CUDA graphs (one per layer and token bucket, :mod:`ray_ep.graphs`); the phase timer
+    wraps each whole layer (worker.moe's "layer" phase), so its syncs stay outside a capture."""
     st = worker.state.get(STATE_KEY)
     if st is None:
         raise RuntimeError(f"rank {worker.rank}: no model installed; EPModel.load() first")
     cfg: MoEModelConfig = st["config"]
+    # the driver decided from the backend (nvshmem: GPUs); a CPU worker cannot capture, so it
+    # runs the eager layer rather than fail a step
+    graphs = cuda_graph and worker.device.type == "cuda"
 
     def moe(i: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return worker.moe(x, ids, w, layer=i, out_dtype=out_dtype, validate=False)
+        return worker.moe(x, ids, w, layer=i, out_dtype=out_dtype, validate=False, cuda_graph=graphs)
 
     with torch.no_grad():
         logits = forward_tokens(cfg, st["dense"], st["rope"], sequences, moe, device=worker.device,
@@ -589,14 +595,19 @@ class EPModel:
     """The model served by an :class:`~ray_ep.EPCluster`: dense weights in every worker,
     layer i's experts sharded as EP layer i (see the module docstring).
 
+    ``cuda_graph``: replay each MoE layer from CUDA graphs captured per (layer, token bucket)
+    (:mod:`ray_ep.graphs`; the same output, less launch overhead in decode steps). Only GPU
+    workers on the nvshmem backend can, with micro_batches 1; elsewhere it stays off and
+    :attr:`cuda_graph_status` says why.
+
     >>> weights = init_model_weights(MoEModelConfig(), seed=0)
     >>> with EPCluster(weights.config.ep_config(world_size=2, max_tokens_per_rank=256)) as ep:  # doctest: +SKIP
-    ...     model = EPModel(ep, weights).load()
-    ...     model.generate([[1, 2, 3]], max_new_tokens=4)
-    [[43, 44, 48, 5]]
+    ...     model = EPModel(ep, weights, cuda_graph=True).load()
+    ...     model.generate([[1, 2, 3]], max_new_tokens=4), model.cuda_graph_status
+    ([[43, 44, 48, 5]], 'on')
     """
 
-    def __init__(self, cluster, weights: ModelWeights):
+    def __init__(self, cluster, weights: ModelWeights, cuda_graph: bool = False):
         cfg, ep = weights.config, cluster.config
         for k in ("hidden_size", "n_experts", "top_k", "intermediate_size", "n_shared_experts"):
             if getattr(ep, k) != getattr(cfg, k):
@@ -610,6 +621,27 @@ class EPModel:
         self.config = cfg
         # the MoE output joins the fp32 residual stream: ask the combine for fp32
         self._out_dtype = "fp32"
+        self.cuda_graph_requested = bool(cuda_graph)
+
+    @property
+    def cuda_graph_status(self) -> str:
+        """"on", or "off" with the reason: not asked for, CPU workers, the torch backend (its
+        exchange sizes its messages on the host, which a capture cannot), micro-batches."""
+        ep = self.cluster.config
+        if not self.cuda_graph_requested:
+            return "off"
+        if not self.cluster.use_gpu:
+            return "off (CPU workers)"
+        if self.cluster.backend != "nvshmem":
+            return f"off (backend {self.cluster.backend}; graphs need nvshmem)"
+        if ep.micro_batches > 1:
+            return f"off (micro_batches = {ep.micro_batches}; graphs need 1)"
+        return "on"
+
+    @property
+    def cuda_graph(self) -> bool:
+        """Whether the MoE layers replay CUDA graphs (see :attr:`cuda_graph_status`)."""
+        return self.cuda_graph_status == "on"
 
     def load(self) -> "EPModel":
         """Install the dense weights in every worker and each layer's experts (collective)."""
@@ -638,8 +670,9 @@ class EPModel:
         ids = torch.zeros(B, n, dtype=torch.int64)
         vals = torch.zeros(B, n, dtype=torch.float32)
         R = self.cluster.world_size
+        graphs = self.cuda_graph
         for ranks in pack_sequences([len(s) for s in sequences], R, self.cluster.config.max_tokens_per_rank):
-            args = [([list(sequences[j]) for j in idx], n, self._out_dtype) for idx in ranks]
+            args = [([list(sequences[j]) for j in idx], n, self._out_dtype, graphs) for idx in ranks]
             outs = self.cluster.run(_forward_rank, args_per_rank=args)
             for idx, (i_r, v_r) in zip(ranks, outs):
                 if idx:
@@ -658,9 +691,11 @@ class EPModel:
 
     def set_profiling(self, enabled: bool) -> None:
         """Per-phase timing in every worker (dense, dispatch, experts, combine; syncs the
-        device) and tokens per expert."""
+        device) and tokens per expert. Under :attr:`cuda_graph` a MoE layer is one "layer"
+        phase (a replay cannot be split) and its tokens per expert are not counted."""
         self.cluster.run(_set_profiling, enabled)
 
     def phase_stats(self) -> list[dict]:
-        """Every worker's :meth:`EPWorker.phase_stats`, in rank order."""
+        """Every worker's :meth:`EPWorker.phase_stats`, in rank order (with ``graphs``, the
+        CUDA graphs captured and replayed, on GPU workers)."""
         return self.cluster.run(_phase_stats)

@@ -24,7 +24,9 @@ HTTP API (JSON)
     the replica, see :meth:`MoEServer.check_health`).
 
     ``GET /stats``: tokens/s, request latency percentiles, per-phase time of the workers
-    (dense, dispatch, experts, combine), tokens per expert, requests retried, rebuilds.
+    (dense, dispatch, experts, combine; one "layer" phase per MoE layer under CUDA graphs),
+    tokens per expert, CUDA graphs (status, captures and replays per rank), requests
+    retried, rebuilds.
 
 Started by ``ray-ep serve`` or ``python examples/serve_moe.py`` (the same flags: see
 :func:`add_arguments`); ``ray.serve`` is imported only when a server is built, so ray_ep
@@ -98,6 +100,11 @@ class ServeOptions(BaseModel):
     """Largest top_logits a request may ask for."""
     profile: bool = True
     """Per-phase timing in the workers for /stats (synchronises the GPU after each phase)."""
+    cuda_graph: bool = True
+    """Replay each MoE layer from CUDA graphs, one per layer and token bucket (a power of two
+    up to max_tokens_per_rank; the tokens of a step vary, the buckets absorb that). Active on
+    GPU workers with the nvshmem backend and micro_batches 1; elsewhere inactive (/stats says
+    why), never an error. Flag ``--no-cuda-graph`` turns it off."""
     app_name: str = "ray-ep"
     """Serve application name."""
     route_prefix: str = "/"
@@ -317,6 +324,27 @@ def summarize_phases(per_rank: list[dict]) -> dict:
     return {"phases": phases, "tokens_per_expert": experts, "tokens_per_rank": [s["tokens"] for s in per_rank]}
 
 
+def summarize_graphs(status: str, per_rank: list[dict] | None) -> dict:
+    """The ``cuda_graph`` entry of /stats: ``status`` ("on", or "off" and why) and, from the
+    workers' phase stats (None: not asked), per rank the graphs held, captures and replays
+    (each MoE layer of a step is one replay once its token bucket was captured) and their sums.
+
+    >>> summarize_graphs("on", [{"graphs": {"graphs": 2, "captures": 2, "replays": 6}},
+    ...                         {"graphs": {"graphs": 1, "captures": 1, "replays": 7}}])["replays"]
+    13
+    >>> summarize_graphs("off (CPU workers)", [{"seconds": {}}])
+    {'status': 'off (CPU workers)'}
+    """
+    out: dict[str, Any] = {"status": status}
+    stats = [s.get("graphs") for s in per_rank or []]
+    if stats and all(g is not None for g in stats):  # CPU workers report none
+        for k in ("graphs", "captures", "replays"):
+            out[k + "_per_rank"] = [g[k] for g in stats]
+        out["captures"] = sum(g["captures"] for g in stats)
+        out["replays"] = sum(g["replays"] for g in stats)
+    return out
+
+
 # ---- continuous batching -------------------------------------------------------------------
 @dataclass
 class _Sequence:
@@ -430,7 +458,7 @@ class MoEServer:
         self.cluster = EPCluster(options.ep_config(), use_gpu=options.use_gpu)
         self.cluster.start()
         try:
-            self.model = EPModel(self.cluster, weights).load()
+            self.model = EPModel(self.cluster, weights, cuda_graph=options.cuda_graph).load()
             if options.profile:
                 self.model.set_profiling(True)
         except BaseException:
@@ -449,8 +477,8 @@ class MoEServer:
         self._last_recovery_s: float | None = None
         if options.access_log:
             _enable_access_log()
-        log.info("ray_ep.serving.server: %d workers (%s), model %s", self.cluster.world_size,
-                 self.cluster.backend, cfg.model_dump())
+        log.info("ray_ep.serving.server: %d workers (%s), CUDA graphs %s, model %s", self.cluster.world_size,
+                 self.cluster.backend, self.model.cuda_graph_status, cfg.model_dump())
 
     def _step(self, sequences: list[list[int]], top_n: int):
         with self._lock:
@@ -535,8 +563,9 @@ class MoEServer:
 
     # -- introspection through a DeploymentHandle (tests, operators) --
     def info(self) -> dict:
-        """Workers, backend, model and EP config."""
+        """Workers, backend, CUDA graphs ("on", or "off" and why), model and EP config."""
         return {"workers": self.cluster.world_size, "backend": self.cluster.backend,
+                "cuda_graph": self.model.cuda_graph_status,
                 "model": self.options.model.model_dump(), "ep": self.cluster.config.model_dump(),
                 "checkpoint": self.options.checkpoint, "seed": None if self.options.checkpoint else self.options.seed,
                 "restarts": self.cluster.restarts}
@@ -753,11 +782,17 @@ class MoEServer:
         out = self.stats.snapshot()
         out.update(workers=self.cluster.world_size, backend=self.cluster.backend, profiling=self.options.profile,
                    in_flight=self._in_flight, restarts=self.cluster.restarts)
-        if self.options.profile and self.cluster.alive and not self.recovering:
+        graphs = self.model.cuda_graph
+        per_rank = None
+        # the graph counters need no profiling (no GPU sync), only a call to the workers
+        if (self.options.profile or graphs) and self.cluster.alive and not self.recovering:
             try:
-                out.update(summarize_phases(await asyncio.to_thread(self._phase_stats)))
+                per_rank = await asyncio.to_thread(self._phase_stats)
+                if self.options.profile:
+                    out.update(summarize_phases(per_rank))
             except Exception as e:  # noqa: BLE001 - a dead worker: the rest of the stats still help
                 out["phases_error"] = _cause_line(e)
+        out["cuda_graph"] = summarize_graphs(self.model.cuda_graph_status, per_rank if graphs else None)
         return JSONResponse(out)
 
     def __del__(self) -> None:
@@ -846,6 +881,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"require 'Authorization: Bearer TOKEN' on /v1/*, TOKEN read from the environment variable "
                         f"VAR (default: {API_TOKEN_ENV} when it is set; otherwise no token)")
     g.add_argument("--no-profile", action="store_true", help="no per-phase timing in /stats (saves a GPU sync per phase)")
+    g.add_argument("--no-cuda-graph", action="store_true",
+                   help="run the MoE layers eagerly, not replayed from CUDA graphs per token bucket (graphs are on "
+                        "by default on GPU workers with the nvshmem backend; CPU workers never use them)")
     g.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level of Ray and Serve (controller, proxy, replica) and of this command "
                         "(default WARNING)")
@@ -904,6 +942,8 @@ def options_from_args(args: argparse.Namespace, gpus: int | None = None) -> Serv
         data["use_gpu"] = False
     if getattr(args, "no_profile", False):
         data["profile"] = False
+    if getattr(args, "no_cuda_graph", False):
+        data["cuda_graph"] = False
     if getattr(args, "verbose", False) and getattr(args, "log_level", None) is None:
         data["log_level"] = "INFO"
     if getattr(args, "access_log", False):
