@@ -5,7 +5,8 @@
 Sends seeded random prompts (ids below the server's vocabulary) from a thread pool with a
 bounded number of requests in flight; prints requests/s, generated tokens/s and latency
 percentiles seen by the client, then the server's own /stats (per-phase time, tokens per
-expert). Needs only `requests`.
+expert, CUDA graphs: whether the MoE layers replay them, captures and replays). Needs only
+`requests`.
 """
 
 from __future__ import annotations
@@ -65,7 +66,25 @@ def main() -> int:
     stats = requests.get(args.url + "/stats", timeout=60).json()
     print(json.dumps({k: stats.get(k) for k in ("tokens_per_s", "latency_s", "batches", "phases", "tokens_per_expert")},
                      indent=1))
+    print(graph_line(stats.get("cuda_graph")))
     return 0 if r["ok"] == r["requests"] else 1
+
+
+def graph_line(g: dict | None) -> str:
+    """One line on the server's CUDA graphs (its /stats ``cuda_graph`` entry).
+
+    >>> graph_line({"status": "on", "graphs_per_rank": [9, 9], "captures": 18, "replays": 1100})
+    'CUDA graphs: on; 1100 replays, 18 captures (counted since the workers started), graphs per rank [9, 9]'
+    >>> graph_line({"status": "off (CPU workers)"})
+    'CUDA graphs: off (CPU workers)'
+    """
+    if not g:
+        return "CUDA graphs: not reported (a server without the cuda_graph option)"
+    line = f"CUDA graphs: {g['status']}"
+    if "replays" in g:
+        line += (f"; {g['replays']} replays, {g['captures']} captures (counted since the workers started), "
+                 f"graphs per rank {g['graphs_per_rank']}")
+    return line
 
 
 if __name__ == "__main__":
