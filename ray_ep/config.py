@@ -450,13 +450,17 @@ def _plan_memory(cfg: EPConfig) -> MemoryPlan:
         routed = 3 * H * Fi * DTYPE_BYTES["fp8"] + blocks * DTYPE_BYTES["fp32"]
         a_row = Fi * DTYPE_BYTES["fp8"] + Fi // FP8_GROUP * DTYPE_BYTES["fp32"]
     M, R = cfg.max_recv_rows, cfg.world_size
+    # fp8 experts fed bf16 / nvfp4 rows: each receive row quantised once, fp8 with its scales
+    rows_fp8 = 0
+    if cfg.expert_dtype == "fp8" and cfg.dispatch_dtype != "fp8":
+        rows_fp8 = R * cfg.max_tokens_per_rank * (H * DTYPE_BYTES["fp8"] + H // FP8_GROUP * DTYPE_BYTES["fp32"])
     # RecvLayout (M + L + 1 + L + R L + R int32), scratch tables (4 per SM, E int32: 132 SMs at most
     # on the GPUs we run; a bound), totals, status
     workspace = 4 * (M + 2 * L + 1 + R * L + R) + 4 * 4 * 132 * E + 4 * (E + 2 * R + 1) + 64
     return MemoryPlan(
         symmetric=plan_buffers(cfg).total_bytes,
         experts_per_layer=L * routed + S * expert,
-        scratch=M * ((2 * Fi + H) * bf16 + a_row),
+        scratch=M * ((2 * Fi + H) * bf16 + a_row) + rows_fp8,
         workspace=workspace,
         host_build=expert + 3 * H * Fi * DTYPE_BYTES["fp32"],
         check_reference=(E + S) * expert + 3 * H * Fi * DTYPE_BYTES["fp32"],

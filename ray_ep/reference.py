@@ -223,7 +223,7 @@ def experts_world(cfg: EPConfig, dispatched: list[RankDispatch], weights: Expert
         local = weights.local(rank, L)
         if weights.fp8:
             # fp8 rows enter the GEMM as they are; other rows are quantised per 128 channels
-            # (by the GEMM's A load, bit for bit as fp8 dispatch would have)
+            # (before the GEMM, bit for bit as fp8 dispatch would have)
             if d.x.dtype == torch.float8_e4m3fn:
                 x_q, x_s = d.x, d.scales
             else:

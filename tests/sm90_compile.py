@@ -131,22 +131,24 @@ def record_nvfp4_format_launches() -> list[tuple]:
 def record_fp8_expert_launches() -> list[tuple]:
     """(kernel, args, meta, options) of the expert kernels with fp8 weights, GPU tiles: the
     grouped GEMM over fp8 rows (as they come from fp8 dispatch), bf16 rows and nvfp4 rows
-    (both quantised in the A load), with K-major fp8 weights and block scales; and the SwiGLU
-    with fp8 output (plus its bf16 form)."""
+    (both quantised to fp8 rows first, by the row quantisation kernel), with K-major fp8
+    weights and block scales; and the SwiGLU with fp8 output (plus its bf16 form)."""
     from ray_ep.fp8 import quantize_fp8_blocks_torch, quantize_fp8_torch
     from ray_ep.kernels import activation, grouped_gemm
     from ray_ep.nvfp4 import quantize_nvfp4_torch
 
     def body():
-        H, O, rows = 1024, 256, 64  # a K loop of 8 blocks: long enough to pipeline
-        x = torch.zeros(rows, H, dtype=torch.bfloat16)
+        H, O = 1024, 256  # a K loop of 8 blocks: long enough to pipeline
         q, s = quantize_fp8_blocks_torch(torch.zeros(2, H, O))
         b = q.transpose(1, 2).contiguous().transpose(1, 2)  # K-major, as LocalExperts holds it
-        segs = dict(row_offsets_L1=torch.tensor([0, rows // 2, rows], dtype=torch.int32),
-                    num_tokens_L=torch.tensor([rows // 2, rows // 2], dtype=torch.int32))
         os.environ["TRITON_INTERPRET"] = "1"  # the launchers' CPU-tensor check; nothing runs
-        for a, a_s in ((x, None), quantize_fp8_torch(x), quantize_nvfp4_torch(x)):
-            grouped_gemm.grouped_gemm(a=a, a_scales=a_s, b_LDO=b, b_scales=s, **segs)
+        # 32 capacity rows per expert: the decode tile; 512: the prefill tile (fp8 rows only)
+        for rows in (64, 1024):
+            x = torch.zeros(rows, H, dtype=torch.bfloat16)
+            segs = dict(row_offsets_L1=torch.tensor([0, rows // 2, rows], dtype=torch.int32),
+                        num_tokens_L=torch.tensor([rows // 2, rows // 2], dtype=torch.int32))
+            for a, a_s in ((x, None), quantize_fp8_torch(x), quantize_nvfp4_torch(x))[:3 if rows == 64 else 2]:
+                grouped_gemm.grouped_gemm(a=a, a_scales=a_s, b_LDO=b, b_scales=s, **segs)
         F = 256
         h = torch.zeros(rows, 2 * F, dtype=torch.bfloat16)
         ids = torch.zeros(rows, dtype=torch.int32)
@@ -159,7 +161,8 @@ def record_fp8_expert_launches() -> list[tuple]:
 
     check = activation._check_launchable
     try:
-        return _record([(grouped_gemm, "_grouped_gemm_kernel"), (activation, "_swiglu_kernel")], body)
+        return _record([(grouped_gemm, "_grouped_gemm_kernel"), (grouped_gemm, "_quantize_rows_kernel"),
+                        (activation, "_swiglu_kernel")], body)
     finally:
         activation._check_launchable = check
 

@@ -531,7 +531,12 @@ def test_memory_plan_from_its_definition():
     f8 = plan_memory(cfg.model_copy(update={"expert_dtype": "fp8"}))
     blocks = (H // 128) * (2 * Fi // 128) + (Fi // 128) * (H // 128)
     assert f8.experts_per_layer == L * (3 * H * Fi + 4 * blocks) + 3 * H * Fi * 2
-    assert f8.scratch == cfg.max_recv_rows * ((2 * Fi + H) * 2 + Fi + 4 * Fi // 128)
+    # bf16 dispatch: the receive rows quantised once for the fp8 GEMM, a byte per channel and
+    # a fp32 scale per 128 (fp8 dispatch delivers them so)
+    rows_fp8 = cfg.world_size * cfg.max_tokens_per_rank * (H + 4 * H // 128)
+    assert f8.scratch == cfg.max_recv_rows * ((2 * Fi + H) * 2 + Fi + 4 * Fi // 128) + rows_fp8
+    f8_wire = plan_memory(cfg.model_copy(update={"expert_dtype": "fp8", "dispatch_dtype": "fp8"}))
+    assert f8_wire.scratch == f8.scratch - rows_fp8
 
 
 @pytest.mark.parametrize("text, want", [("2x4", (2, 4)), ("1X8", (1, 8))])

@@ -743,7 +743,7 @@ class TestFp8Dispatch:
 @pytest.fixture(scope="class")
 def ep_fp8w(ray_session):
     """tiny on 2 ranks with fp8 expert weights (F 128: both GEMMs reduce over multiples of 128),
-    bf16 dispatch (rows quantised inside the GEMM) and one shared expert (bf16)."""
+    bf16 dispatch (rows quantised to fp8 before the GEMM) and one shared expert (bf16)."""
     ep = start_cluster(EPConfig.preset("tiny", gpus_per_node=2, intermediate_size=128, expert_dtype="fp8",
                                        n_shared_experts=1))
     yield ep

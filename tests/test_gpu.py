@@ -112,7 +112,7 @@ FP8_EXPERT_CASES = [("deepseek-v3", "bf16"), ("deepseek-v3", "fp8"), ("deepseek-
 @pytest.mark.parametrize("preset,dtype", FP8_EXPERT_CASES, ids=[f"{p}-{d}" for p, d in FP8_EXPERT_CASES])
 def test_fp8_experts_against_reference(cluster, preset, dtype):
     # the Triton grouped GEMMs on fp8 tensor cores: fp8 rows as they arrive, bf16 and nvfp4
-    # rows quantised in the A load; SwiGLU quantised to fp8 for the down GEMM
+    # rows quantised once before the GEMM; SwiGLU quantised to fp8 for the down GEMM
     name = f"test/fp8-experts/{preset}/{dtype}"
     cluster.call_workers("add_group", name, _group_cfg(cluster, preset, dtype, expert_dtype="fp8"))
     try:

@@ -18,7 +18,7 @@ from ray_ep.config import EPConfig, nvfp4_row_bytes  # noqa: E402
 from ray_ep.fp8 import quantize_fp8_blocks_torch  # noqa: E402
 from ray_ep.kernels.activation import swiglu, swiglu_torch  # noqa: E402
 from ray_ep.kernels.experts import LocalExperts  # noqa: E402
-from ray_ep.kernels.grouped_gemm import grouped_gemm, grouped_gemm_torch  # noqa: E402
+from ray_ep.kernels.grouped_gemm import grouped_gemm, grouped_gemm_torch, quantize_rows_fp8  # noqa: E402
 from ray_ep.inputs import make_inputs  # noqa: E402
 from ray_ep.weights import init_expert_weights  # noqa: E402
 
@@ -323,7 +323,7 @@ def test_grouped_gemm_fp8_weights(a_kind, kmajor):
     kw = dict(a=a.to(device), a_scales=a_s.to(device) if a_s is not None else None, b_LDO=q, b_scales=s,
               row_offsets_L1=offsets, num_tokens_L=num_tokens, a_row_ids=a_row_ids.to(device))
     out = check("bf16", real, **kw)
-    # the math: every row quantised to fp8 per 128 channels (as it is, or as the A load does)
+    # the math: every row quantised to fp8 per 128 channels (as it is, or as quantize_rows_fp8 does)
     if a_kind == "fp8":
         xq, xs = a, a_s
     else:
@@ -340,7 +340,7 @@ def test_grouped_gemm_fp8_weights(a_kind, kmajor):
 
 def test_grouped_gemm_fp8_weights_quantises_a_like_fp8_dispatch():
     # bf16 rows with fp8 weights give exactly what their fp8 dispatch (quantize_fp8) gives:
-    # the A load quantises with the same bits. Kernel and twin each, bit for bit.
+    # quantize_rows_fp8 uses the same bits. Kernel and twin each, bit for bit.
     gen = torch.Generator().manual_seed(21)
     offsets, num_tokens, real = make_layout([9, 30, 0], 8, 2)
     M, D, O = real.shape[0], 384, 128
@@ -353,6 +353,43 @@ def test_grouped_gemm_fp8_weights_quantises_a_like_fp8_dispatch():
         from_bf16 = fn(a=x.to(device), **kw)
         from_fp8 = fn(a=xq.to(device), a_scales=xs.to(device), **kw)
         assert torch.equal(from_bf16[real], from_fp8[real]), fn.__name__
+
+
+@pytest.mark.parametrize("a_kind", ["bf16", "nvfp4"])
+def test_quantize_rows_fp8_quantises_each_real_row_once(a_kind):
+    # the pass before an fp8-weight GEMM: every row a real expert-major row reads (through the
+    # row ids: shared by two experts, or none) gets quantize_fp8's bits at its own index; rows
+    # no real row reads, padding's stale ids and -1 ids are not touched; into a given out
+    gen = torch.Generator().manual_seed(23)
+    counts = [5, 0, 40, 3]
+    offsets, num_tokens, real = make_layout(counts, 8, 5)
+    M, rows, D = real.shape[0], 70, 256
+    x = (torch.randn(rows, D, generator=gen) * 10.0 ** torch.randint(-2, 3, (rows, 1), generator=gen)).to(torch.bfloat16)
+    a, a_s = (x, None) if a_kind == "bf16" else reference.quantize_nvfp4(x)
+    ids = torch.randint(0, 60, (M,), generator=gen, dtype=torch.int32)  # padding: stale ids < 60
+    ids[real.cpu()] = torch.randint(0, 40, (int(real.sum()),), generator=gen, dtype=torch.int32)
+    ids[offsets[2].item()] = 3  # the same row under two experts
+    ids[offsets[0].item()] = 3
+    ids[offsets[2].item() + 1] = -1  # a real slot that reads nothing
+    read = torch.zeros(rows, dtype=torch.bool)
+    read[ids[real.cpu() & (ids >= 0)].long()] = True
+    q = torch.full((rows, D), 7.0).to(torch.float8_e4m3fn).to(device)
+    qs = torch.full((rows, D // 128), -1.0, device=device)
+    got = quantize_rows_fp8(a=a.to(device), a_scales=a_s.to(device) if a_s is not None else None,
+                            row_offsets_L1=offsets, num_tokens_L=num_tokens, a_row_ids=ids.to(device), out=(q, qs))
+    assert got[0] is q and got[1] is qs
+    rows_bf16 = reference.dequantize_nvfp4(a, a_s).to(torch.bfloat16) if a_kind == "nvfp4" else x
+    want_q, want_s = reference.quantize_fp8(rows_bf16)
+    q, qs = q.cpu(), qs.cpu()
+    assert torch.equal(q[read].view(torch.uint8), want_q[read].view(torch.uint8))
+    assert torch.equal(qs[read], want_s[read])
+    assert bool((q[~read].float() == 7.0).all()) and bool((qs[~read] == -1.0).all()), "an unread row was written"
+    # without row ids: expert-major row m is a[m]; new tensors
+    q2, s2 = quantize_rows_fp8(a=a[:M].to(device), a_scales=a_s[:M].to(device) if a_s is not None else None,
+                               row_offsets_L1=offsets, num_tokens_L=num_tokens)
+    r = real.cpu()
+    assert torch.equal(q2.cpu()[r].view(torch.uint8), want_q[:M][r].view(torch.uint8))
+    assert torch.equal(s2.cpu()[r], want_s[:M][r])
 
 
 def test_grouped_gemm_fp8_weights_persistent_grid_and_no_tokens():

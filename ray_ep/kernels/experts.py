@@ -77,7 +77,10 @@ class LocalExperts:
 @dataclass
 class ExpertScratch:
     """Intermediate buffers of the expert compute, allocated once per rank. With fp8 experts
-    the SwiGLU output ``a_MF`` is fp8 with ``a_scales_MG`` [M, F / 128].
+    the SwiGLU output ``a_MF`` is fp8 with ``a_scales_MG`` [M, F / 128], and rows that do not
+    arrive in fp8 (bf16 or nvfp4 dispatch) are quantised once into ``x_fp8`` ([R N, H] fp8, [R N,
+    H / 128] fp32: one slot per receive row) for the first GEMM (GPUs, capacity scratch only;
+    elsewhere the GEMM allocates it, or its twin quantises on the fly).
 
     On GPUs (and by default) at capacity (``max_recv_rows``): the kernels read the row
     counts on the device, so no host sync and CUDA graphs work. CPU workers allocate it by
@@ -89,16 +92,22 @@ class ExpertScratch:
     a_MF: torch.Tensor
     y_MH: torch.Tensor
     a_scales_MG: torch.Tensor | None = None
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def allocate(cls, cfg: EPConfig, device: torch.device | str, rows: int | None = None) -> "ExpertScratch":
         """``rows`` rows (None: capacity, max_recv_rows)."""
         M, Fi, H = cfg.max_recv_rows if rows is None else rows, cfg.intermediate_size, cfg.hidden_size
         fp8 = cfg.expert_dtype == "fp8"
+        x_fp8 = None
+        if fp8 and cfg.dispatch_dtype != "fp8" and rows is None:
+            n = cfg.world_size * cfg.max_tokens_per_rank  # the receive buffer's rows
+            x_fp8 = (torch.zeros(n, H, dtype=torch.float8_e4m3fn, device=device),
+                     torch.ones(n, H // FP8_GROUP, dtype=torch.float32, device=device))
         return cls(torch.zeros(M, 2 * Fi, dtype=torch.bfloat16, device=device),
                    torch.zeros(M, Fi, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=device),
                    torch.zeros(M, H, dtype=torch.bfloat16, device=device),
-                   torch.ones(M, Fi // FP8_GROUP, dtype=torch.float32, device=device) if fp8 else None)
+                   torch.ones(M, Fi // FP8_GROUP, dtype=torch.float32, device=device) if fp8 else None, x_fp8)
 
     @property
     def rows(self) -> int:
@@ -151,8 +160,11 @@ def _run(gemm, act, handle: DispatchHandle, experts: LocalExperts, scratch: Expe
     h, a, y, row_ids = scratch.h_M2F[n], scratch.a_MF[n], scratch.y_MH[n], r.row_ids_M[n]
     a_scales = scratch.a_scales_MG[n] if scratch.a_scales_MG is not None else None
     segs = dict(row_offsets_L1=r.row_offsets_L1, num_tokens_L=r.num_tokens_L)
+    x_fp8 = scratch.x_fp8
+    if x_fp8 is not None and x_fp8[0].shape[0] != handle.x_rows.shape[0]:
+        x_fp8 = None  # a receive of another row count (a packed one): the GEMM allocates its own
     gemm(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=row_ids, b_LDO=experts.w_gate_up_LHF2,
-         b_scales=experts.w_gate_up_scales, out=h, num_sms=num_sms, **segs)
+         b_scales=experts.w_gate_up_scales, out=h, num_sms=num_sms, fp8_rows=x_fp8, **segs)
     act(h_M2F=h, row_ids_M=row_ids, total_rows=r.row_offsets_L1[-1:], out=a, out_scales=a_scales)
     gemm(a=a, a_scales=a_scales, b_LDO=experts.w_down_LFH, b_scales=experts.w_down_scales, out=y, num_sms=num_sms,
          **segs)

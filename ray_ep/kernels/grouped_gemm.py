@@ -22,11 +22,12 @@ fp8 weights (``b`` float8_e4m3fn with ``b_scales`` [L, D / 128, O / 128] fp32, o
     c[m] = bf16(sum_k dot(qa[m, k block], qb[k block, :]) * sa[m, k] * sb[k, o block])
 
 where an fp8 ``a`` enters as it is (``qa = a``, ``sa = a_scales``: the dispatched rows need no
-dequantise) and a bf16 or nvfp4 ``a`` is quantised per 128 channels inside the A load, with
-the bits :func:`ray_ep.fp8.quantize_fp8_torch` gives (so bf16 dispatch with fp8 weights
-computes exactly what fp8 dispatch does). Quantising A costs ALU work on every (m, o) tile,
-against halving the rate of every dot had B been dequantised to bf16 instead; fp8 dispatch
-skips it altogether.
+dequantise) and a bf16 or nvfp4 ``a`` is first quantised per 128 channels, each real row once
+(:func:`quantize_rows_fp8`), with the bits :func:`ray_ep.fp8.quantize_fp8_torch` gives (so
+bf16 dispatch with fp8 weights computes exactly what fp8 dispatch does). Why a pass of its
+own: quantising inside the GEMM's A load redid it for every output tile (32 times per row of
+deepseek-v3's gate_up) and spilled registers: 16.2 ms against 3.2 ms for fp8 rows (one H200,
+gate_up of 64 experts x 512 rows); the pass reads and writes each row once.
 
 ``row_offsets`` / ``num_tokens`` stay on the device:
 the grid covers the worst case and each program finds its (expert, m tile, n tile) from
@@ -48,7 +49,7 @@ from ..config import FP8_GROUP, NVFP4_BLOCK
 from ..errors import EPInputError
 from ..nvfp4 import dequantize_nvfp4_torch
 from ..validation import check_tensor
-from ._util import interpreted
+from ._util import interpreted, num_sms as sm_count
 from ..fp8 import quantize_fp8_torch
 from .nvfp4 import unpack_nvfp4_tile
 from .quant import quantize_group
@@ -127,14 +128,11 @@ def _grouped_gemm_kernel(
             else:
                 a = tl.load(a_ptrs, mask=a_mask[:, None] & d_mask[None, :], other=0.0)
             if B_FP8:
-                # BLOCK_D == GROUP_D == 128: one activation scale per row and one weight scale
-                # per 128 output columns cover the whole d tile (D and O are multiples of 128)
-                if FP8:
-                    sa = tl.load(a_scales_ptr + src * stride_sm + (d0 // GROUP_D) * stride_sd,
-                                 mask=a_mask, other=0.0)
-                else:  # bf16 (or unpacked nvfp4) rows: quantise the tile as fp8 dispatch would
-                    a, sa = quantize_group(a.to(tl.float32), 1)
-                    sa = tl.reshape(sa, (BLOCK_M,))
+                # fp8 rows only (the launcher quantises others first). BLOCK_D == GROUP_D == 128:
+                # one activation scale per row and one weight scale per 128 output columns
+                # cover the whole d tile (D and O are multiples of 128)
+                sa = tl.load(a_scales_ptr + src * stride_sm + (d0 // GROUP_D) * stride_sd,
+                             mask=a_mask, other=0.0)
                 b = tl.load(b_ptrs, mask=o_mask[None, :], other=0.0)
                 sb = tl.load(b_scales_ptr + e.to(tl.int64) * stride_bsl + (d0 // GROUP_D) * stride_bsd
                              + (offs_o // GROUP_D) * stride_bso, mask=o_mask, other=0.0)
@@ -165,26 +163,123 @@ def _grouped_gemm_kernel(
         tile += num_programs
 
 
-def _launch_config(device: torch.device, b_fp8: bool = False, a_fp8: bool = False) -> dict[str, int]:
+@triton.jit
+def _quantize_rows_kernel(
+    a_ptr, a_scales_ptr, a_row_ids_ptr, q_ptr, q_scales_ptr, row_offsets_ptr, num_tokens_ptr, L,
+    stride_am, stride_ad, stride_sm, stride_sd, stride_qm, stride_qsm,
+    D: tl.constexpr, HAS_ROW_IDS: tl.constexpr, NVFP4: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUP_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    experts = tl.arange(0, BLOCK_L)
+    in_L = experts < L
+    seg_ends = tl.load(row_offsets_ptr + 1 + experts, mask=in_L, other=2147483647)
+    real_ends = (tl.load(row_offsets_ptr + experts, mask=in_L, other=0)
+                 + tl.load(num_tokens_ptr + experts, mask=in_L, other=0))
+    total = tl.load(row_offsets_ptr + L)
+    tile = pid
+    # persistent over row tiles up to the last segment's end (a bound that lives on the device)
+    while tile * BLOCK_R < total:
+        m = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        e = tl.sum((seg_ends[None, :] <= m[:, None]).to(tl.int32), axis=1)  # expert of row m
+        real_end = tl.sum(tl.where(experts[None, :] == e[:, None], real_ends[None, :], 0), axis=1)
+        real = (m < total) & (m < real_end)
+        if HAS_ROW_IDS:
+            src = tl.load(a_row_ids_ptr + m, mask=real, other=-1).to(tl.int64)
+        else:
+            src = m.to(tl.int64)
+        ok = real & (src >= 0)
+        for d0 in range(0, D, GROUP_D):
+            if NVFP4:
+                pc = d0 // 2 + tl.arange(0, GROUP_D // 2)
+                packed = tl.load(a_ptr + src[:, None] * stride_am + pc[None, :] * stride_ad, mask=ok[:, None], other=0)
+                bc = d0 // 16 + tl.arange(0, GROUP_D // 16)
+                bits = tl.load(a_scales_ptr + src[:, None] * stride_sm + bc[None, :] * stride_sd, mask=ok[:, None],
+                               other=0)
+                x = unpack_nvfp4_tile(packed, bits)
+            else:
+                cols = d0 + tl.arange(0, GROUP_D)
+                x = tl.load(a_ptr + src[:, None] * stride_am + cols[None, :] * stride_ad, mask=ok[:, None],
+                            other=0.0).to(tl.float32)
+            q, qs = quantize_group(x, 1)
+            cols = d0 + tl.arange(0, GROUP_D)
+            # a row that two local experts share is written twice, with the same bytes
+            tl.store(q_ptr + src[:, None] * stride_qm + cols[None, :], q, mask=ok[:, None])
+            tl.store(q_scales_ptr + src * stride_qsm + d0 // GROUP_D, tl.reshape(qs, (BLOCK_R,)), mask=ok)
+        tile += num_programs
+
+
+def quantize_rows_fp8(*, a: torch.Tensor, a_scales: torch.Tensor | None, row_offsets_L1: torch.Tensor,
+                      num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real rows of a grouped GEMM's ``a`` (bf16, or nvfp4 with its ``a_scales``) quantised to
+    fp8 e4m3 with one fp32 scale per 128 channels, as :func:`ray_ep.fp8.quantize_fp8_torch`
+    would (nvfp4 rows decoded first, exactly); no host sync.
+
+    Real rows: ``a[a_row_ids[m]]`` (or ``a[m]``) for the expert-major rows m that hold a token;
+    each lands at its own row of ``out = (q [rows of a, D] float8_e4m3fn, scales [rows of a,
+    D / 128] fp32)`` (new tensors when None; rows that no real row reads stay as they were).
+    The grouped GEMM then reads ``q`` through the same ``a_row_ids``.
+
+    Example (a bf16 [4, 128], rows 0 and 2 real)::
+
+        q, s = quantize_rows_fp8(a=a, a_scales=None, row_offsets_L1=offs, num_tokens_L=counts)
+        # q[0], s[0] == quantize_fp8_torch(a[0:1]); q[1] untouched
+    """
+    nvfp4 = a.dtype == torch.uint8
+    D = 2 * a.shape[1] if nvfp4 else a.shape[1]
+    rows = a.shape[0]
+    if out is None:
+        out = (torch.empty(rows, D, dtype=torch.float8_e4m3fn, device=a.device),
+               torch.empty(rows, D // FP8_GROUP, dtype=torch.float32, device=a.device))
+    q, qs = out
+    check_tensor("out[0]", q, shape=(rows, D), dtypes=(torch.float8_e4m3fn,), device=a.device)
+    check_tensor("out[1]", qs, shape=(rows, D // FP8_GROUP), dtypes=(torch.float32,), device=a.device)
+    if q.stride(1) != 1:
+        raise EPInputError("quantize_rows_fp8: out[0] needs contiguous rows (stride 1 along D)")
+    M = a_row_ids.shape[0] if a_row_ids is not None else rows
+    L = num_tokens_L.shape[0]
+    if M == 0 or rows == 0:
+        return q, qs
+    block_r = 32
+    tiles = triton.cdiv(M, block_r)
+    grid = (max(1, min(tiles, 8 * sm_count(a.device))),)
+    scales = a_scales.view(torch.uint8) if nvfp4 else a  # dummy pointer for bf16
+    _quantize_rows_kernel[grid](
+        a_ptr=a, a_scales_ptr=scales, a_row_ids_ptr=a_row_ids.contiguous() if a_row_ids is not None else num_tokens_L,
+        q_ptr=q, q_scales_ptr=qs, row_offsets_ptr=row_offsets_L1.contiguous(), num_tokens_ptr=num_tokens_L.contiguous(),
+        L=L, stride_am=a.stride(0), stride_ad=a.stride(1), stride_sm=scales.stride(0), stride_sd=scales.stride(1),
+        stride_qm=q.stride(0), stride_qsm=qs.stride(0), D=D, HAS_ROW_IDS=a_row_ids is not None, NVFP4=nvfp4,
+        BLOCK_L=max(2, triton.next_power_of_2(L)), BLOCK_R=block_r, GROUP_D=FP8_GROUP, num_warps=4,
+    )
+    return q, qs
+
+
+def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: int = 1 << 30) -> dict[str, int]:
     """Tile shape: a Hopper-sized one on GPUs; small tiles for the interpreter, where every
-    program runs in Python and tests want several tiles per expert.
+    program runs in Python and tests want several tiles per expert. ``rows_per_expert``: the
+    capacity rows per local expert (M_max / L), known on the host (the real counts are not).
 
-    Measured on one H200 (triton 3.6, 8 experts x 1024 rows, bf16): 128x256x64 with 4 stages
-    (196 KB of shared memory, fits H100/H200) ran gate_up (D 7168, O 4096) at 649 TFLOP/s and
-    down (D 2048, O 7168) at 602, against 552/514 with 3 stages and ~460/430 for 128x128 tiles;
-    torch.matmul per expert ran 752/614. Decode (16 rows per expert) is weight-bandwidth bound
-    and ran the same with BLOCK_M 64 or 128. BLOCK_D must divide 128 (one fp8 scale per d tile)
-    and be a multiple of 32 (whole nvfp4 blocks, whole packed bytes).
+    Measured on one H200 (triton 3.6, 64 experts x ~512 rows, deepseek-v3 shapes, bf16):
+    128x256x64 with 4 stages (196 KB of shared memory, fits H100/H200) ran gate_up (D 7168,
+    O 4096) at 634 TFLOP/s and down (D 2048, O 7168) at 607, against 520/516 with 3 stages,
+    444/416 for 128x128 tiles and 573/553 for torch._grouped_mm. Decode (16 rows per expert)
+    is weight-bandwidth bound: 4.5 / 3.8 TB/s of weights, within 2% for BLOCK_M 64 or 128.
+    BLOCK_D must divide 128 (one fp8 scale per d tile) and be a multiple of 32 (whole nvfp4
+    blocks, whole packed bytes).
 
-    fp8 weights: BLOCK_D is the 128 of a scale block. BLOCK_O 128, not 256: the per-block
-    partial product is a second fp32 tile beside the accumulator (2 x 64 registers per thread
-    at 8 warps; 2 x 128 would spill). fp8 tiles of 128 x 128 take 16 KB each, so 4 stages fit
-    (128 KB); a bf16 A tile (quantised in registers) is twice that, hence 3 stages. A first
-    choice by these budgets, not yet measured."""
+    fp8 weights (fp8 rows): BLOCK_D is the 128 of a scale block and BLOCK_O 128: the per-block
+    partial product is a second fp32 tile beside the accumulator. Same sweep: 128x128x128 at
+    8 warps and 4 stages ran 603 / 527 TFLOP/s (128 x 256 tiles or 4 warps spill: 140-220);
+    decode shapes ran 891 -> 557 us (gate_up) and 461 -> 304 us (down) with 64-row tiles at
+    4 warps, 3.4 / 3.1 TB/s of fp8 weights (torch._scaled_grouped_mm: 676 / 373 us)."""
     if device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_O=64, BLOCK_D=128 if b_fp8 else 64, num_warps=4, num_stages=1)
     if b_fp8:
-        return dict(BLOCK_M=128, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=8, num_stages=4 if a_fp8 else 3)
+        if rows_per_expert <= 64:
+            return dict(BLOCK_M=64, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=128, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=8, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_O=256, BLOCK_D=64, num_warps=8, num_stages=4)
 
 
@@ -247,7 +342,8 @@ def _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_sca
 def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.Tensor,
                  num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
                  a_scales: torch.Tensor | None = None, b_scales: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, num_sms: int | None = None,
+                 fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Per-expert ``c = A @ b[e]`` over expert-major rows, without a host sync.
 
     Args:
@@ -270,6 +366,9 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
             None, a ``torch.empty`` tensor is returned whose padding rows are undefined.
         num_sms: None launches one program per worst-case tile (most exit at once); an int
             launches a persistent grid of that many programs looping over the tiles.
+        fp8_rows: with fp8 ``b_LDO`` and a bf16 or nvfp4 ``a``: where :func:`quantize_rows_fp8`
+            puts the rows quantised to fp8 first (``(q [rows of a, D], scales [rows of a,
+            D / 128])``, e.g. a scratch held for CUDA graphs); None: new tensors.
 
     Returns:
         c [M_max, O] bf16.
@@ -292,7 +391,10 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     if M == 0 or O == 0:
         return out
     b_fp8 = b_LDO.dtype == torch.float8_e4m3fn
-    cfg = _launch_config(dev, b_fp8=b_fp8, a_fp8=a.dtype == torch.float8_e4m3fn)
+    if b_fp8 and a.dtype != torch.float8_e4m3fn:  # fp8 tensor cores take fp8 rows: quantise once
+        a, a_scales = quantize_rows_fp8(a=a, a_scales=a_scales, row_offsets_L1=row_offsets_L1,
+                                        num_tokens_L=num_tokens_L, a_row_ids=a_row_ids, out=fp8_rows)
+    cfg = _launch_config(dev, b_fp8=b_fp8, rows_per_expert=M // L)
     bm, bo = cfg["BLOCK_M"], cfg["BLOCK_O"]
     # sum_e ceil(n_e / BM) <= (sum_e n_e + L (BM - 1)) / BM, and every tile holds >= 1 row
     worst_m_tiles = min(M, (M + L * (bm - 1)) // bm)
@@ -324,9 +426,11 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
 def grouped_gemm_torch(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.Tensor,
                        num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
                        a_scales: torch.Tensor | None = None, b_scales: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, num_sms: int | None = None,
+                       fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Torch twin of :func:`grouped_gemm` (same arguments, any device; reads the counts on
-    the host; padding rows of a new output are zero; ``num_sms`` is ignored)."""
+    the host; padding rows of a new output are zero; ``num_sms`` and ``fp8_rows`` are
+    ignored: it quantises bf16 / nvfp4 rows for fp8 weights on the fly)."""
     M, D, O, L = _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_scales,
                                      out, num_sms, b_scales)
     if out is None:
