@@ -79,15 +79,24 @@ def quantize_fp8_blocks_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scale is amax / 448 (1 for an all-zero block), as for activation rows. Example: a block
     with amax 0.25 gets scale 0.25 / 448 and its largest value becomes +-448."""
     Db, Ob = _check_blocks(w)
-    lead = w.shape[:-2]
-    blocks = w.float().reshape(*lead, Db, FP8_GROUP, Ob, FP8_GROUP)
+    if w.dim() > 2:
+        # one [D, O] matrix at a time: the fp32 temporaries of a whole rank's experts at once
+        # (~6x their bf16 bytes) ran a CPU host out of memory (qwen3-moe, 2 ranks, 24 GB)
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+        scales = torch.empty(*w.shape[:-2], Db, Ob, dtype=torch.float32, device=w.device)
+        for i, m in enumerate(w.reshape(-1, *w.shape[-2:])):
+            qi, si = quantize_fp8_blocks_torch(m)
+            q.view(-1, *w.shape[-2:])[i] = qi
+            scales.view(-1, Db, Ob)[i] = si
+        return q, scales
+    blocks = w.float().reshape(Db, FP8_GROUP, Ob, FP8_GROUP)
     amax = blocks.abs().amax(dim=(-3, -1))
     zero = amax == 0
     amax = amax.masked_fill(zero, 1.0)
     limit = torch.full_like(amax, FP8_MAX)
     scales = (amax / limit).masked_fill(zero, 1.0)
     factor = (limit / amax).masked_fill(zero, 1.0)
-    q = torch.clamp(blocks * factor[..., :, None, :, None], min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
+    q = torch.clamp(blocks * factor[:, None, :, None], min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(w.shape), scales
 
 
@@ -96,5 +105,11 @@ def dequantize_fp8_blocks_torch(q: torch.Tensor, scales: torch.Tensor,
     """fp8 weights [..., D, O] with block scales [..., D / 128, O / 128] back to ``out_dtype``
     (fp32 math: ``q * scale``)."""
     Db, Ob = _check_blocks(q)
+    if q.dim() > 2:  # one matrix at a time, as quantize_fp8_blocks_torch
+        out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+        flat = out.view(-1, *q.shape[-2:])
+        for i, (m, sc) in enumerate(zip(q.reshape(-1, *q.shape[-2:]), scales.reshape(-1, Db, Ob))):
+            flat[i] = dequantize_fp8_blocks_torch(m, sc, out_dtype)
+        return out
     s = scales.float().repeat_interleave(FP8_GROUP, dim=-2).repeat_interleave(FP8_GROUP, dim=-1)
     return (q.float() * s).to(out_dtype)

@@ -337,3 +337,24 @@ def test_deepseek_checkpoint_with_bad_scales_is_refused(tmp_path):
             save_file(t, str(f))
     with pytest.raises(EPInputError, match="w_down_scales holds a scale that is not finite"):
         load_deepseek_experts(tmp_path, cfg, layer=0)
+
+
+def test_fp8_block_quantisation_of_stacked_experts_is_per_matrix():
+    # stacked experts are quantised one [D, O] matrix at a time (the peak stays one matrix's
+    # fp32 temporaries): the same bits and scales as each matrix alone, any strides, zero
+    # blocks scale 1; dequantising stacks matches too
+    from ray_ep.fp8 import dequantize_fp8_blocks_torch, quantize_fp8_blocks_torch
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 3, 256, 384, generator=gen) * 10.0 ** torch.randint(-3, 2, (2, 3, 1, 1), generator=gen)
+    w[1, 2, 128:, :128] = 0.0
+    for stack in (w, w.transpose(-1, -2)):
+        q, s = quantize_fp8_blocks_torch(stack)
+        assert q.shape == stack.shape and s.shape == (*stack.shape[:-2], stack.shape[-2] // 128, stack.shape[-1] // 128)
+        for i in range(2):
+            for j in range(3):
+                qi, si = quantize_fp8_blocks_torch(stack[i, j].contiguous())
+                assert torch.equal(q[i, j].view(torch.uint8), qi.view(torch.uint8)) and torch.equal(s[i, j], si)
+                assert torch.equal(dequantize_fp8_blocks_torch(q, s)[i, j], dequantize_fp8_blocks_torch(qi, si))
+    q, s = quantize_fp8_blocks_torch(w)
+    assert s[1, 2, 1, 0] == 1.0 and not bool(q[1, 2, 128:, :128].float().any())
