@@ -193,6 +193,14 @@ def test_cuda_graph_flag_needs_gpus(capsys, monkeypatch):
     assert "--cuda-graph" in err and "needs GPUs" in err and "Traceback" not in err
 
 
+def test_nvshmem_backend_without_gpus_is_one_line(capsys, monkeypatch):
+    # refused before any worker starts; the API says the same as an input error
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    assert cli.main(["bench", "--backend", "nvshmem", "--world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend nvshmem needs GPU workers" in err and "--backend torch" in err and "Traceback" not in err
+
+
 def test_sm_budget_sweep_flag():
     assert runner.sm_budgets("24") == [24]
     assert runner.sm_budgets("16, 24,all") == [16, 24, None]

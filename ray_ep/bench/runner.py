@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from ..config import EPConfig
 from ..driver import EPCluster
+from ..errors import EPInputError
 from .loops import row_bytes, run_row
 
 # docs/benchmarking.md presets: model preset, tokens per rank, dispatch dtypes
@@ -416,21 +417,22 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
     expert_dtypes = list(expert_dtypes)
     bad = [e for e in expert_dtypes if e not in EXPERT_DTYPES] or ([] if expert_dtypes else ["(none)"])
     if bad:
-        raise ValueError(f"unknown expert dtype {bad[0]!r}; choose from {list(EXPERT_DTYPES)}")
+        raise EPInputError(f"unknown expert dtype {bad[0]!r}; choose from {list(EXPERT_DTYPES)}")
     for p in presets:
         if p not in BENCH_PRESETS:
-            raise ValueError(f"unknown benchmark preset {p!r}; choose from {sorted(BENCH_PRESETS)}")
+            raise EPInputError(f"unknown benchmark preset {p!r}; choose from {sorted(BENCH_PRESETS)}")
     for dt in dtypes or ():
         if dt not in DISPATCH_DTYPES:
-            raise ValueError(f"unknown dispatch dtype {dt!r}; choose from {list(DISPATCH_DTYPES)}")
+            raise EPInputError(f"unknown dispatch dtype {dt!r}; choose from {list(DISPATCH_DTYPES)}")
     on_gpu = cluster.backend == "nvshmem"
     if cuda_graph and not on_gpu:
-        raise ValueError("cuda_graph needs GPU workers with the nvshmem backend (CUDA graphs replay its kernels)")
+        raise EPInputError("cuda_graph needs GPU workers with the nvshmem backend (CUDA graphs replay its kernels)")
     if backends is None:
         backends = ["nvshmem", "torch"] if on_gpu else ["torch"]
     backends = ["torch" if b in ("nccl", "gloo") else b for b in backends]
     if "nvshmem" in backends and not on_gpu:
-        raise ValueError("the nvshmem backend needs a GPU cluster; use backends=['torch']")
+        raise EPInputError("the nvshmem backend needs GPU workers, and these run on CPUs; use the torch backend "
+                           "(CLI: --backend torch; API: backends=['torch'])")
     result = BenchResult(meta=_meta(cluster, iters))
     budgets = list(num_sms) if isinstance(num_sms, (list, tuple)) else [num_sms]
     gpu_workers = result.meta["device"] != "cpu"  # the torch backend runs over NCCL there, else gloo
@@ -656,6 +658,10 @@ def run_from_args(args) -> int:
     if args.cuda_graph and (not gpus or (args.backend or "") == "torch"):
         print("ray-ep bench: --cuda-graph replays ray_ep's kernels from CUDA graphs: it needs GPUs and the nvshmem "
               "backend", file=sys.stderr)
+        return 2
+    if not gpus and not args.address and "nvshmem" in (args.backend or "").split(","):
+        print("ray-ep bench: --backend nvshmem needs GPU workers and this machine has no GPU; use --backend torch "
+              "(or --address of a Ray cluster with GPUs)", file=sys.stderr)
         return 2
     default_world = gpus if gpus else 2
     n_nodes, per_node = topology_from_args(args, default_world)
