@@ -189,18 +189,25 @@ def init_expert_weights(cfg: EPConfig, seed: int = 0, dtype: torch.dtype = torch
             return (*quantize_fp8_blocks_torch(gate_up), *quantize_fp8_blocks_torch(down))
         return gate_up, down
 
-    def stack(parts: list, i: int, shape: tuple[int, ...], dt: torch.dtype = dtype) -> torch.Tensor:
-        return torch.stack([p[i] for p in parts]) if parts else torch.empty(0, *shape, dtype=dt, device=device)
+    def stacked(n: int, make, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+        # filled expert by expert: the peak is the layer plus one expert (a list of experts
+        # then torch.stack held the layer twice: 2 x 11 GB per rank of deepseek-v3 on a host)
+        out = [torch.empty(n, *shape, dtype=dt, device=device) for shape, dt in shapes]
+        for i in range(n):
+            for t, part in zip(out, make(i)):
+                t[i] = part
+        return out
 
-    routed = [one(e, fp8) for e in ids]
-    shared = [one(E + s) for s in range(S)]
-    shared_w = (stack(shared, 0, (H, 2 * Fi)), stack(shared, 1, (Fi, H)))
-    if not fp8:
-        return ExpertWeights(stack(routed, 0, (H, 2 * Fi)), stack(routed, 1, (Fi, H)), *shared_w)
     G, f8 = FP8_GROUP, torch.float8_e4m3fn
-    return ExpertWeights(stack(routed, 0, (H, 2 * Fi), f8), stack(routed, 2, (Fi, H), f8), *shared_w,
-                         w_gate_up_scales=stack(routed, 1, (H // G, 2 * Fi // G), torch.float32),
-                         w_down_scales=stack(routed, 3, (Fi // G, H // G), torch.float32))
+    shared_gate_up, shared_down = stacked(S, lambda s: one(E + s), [((H, 2 * Fi), dtype), ((Fi, H), dtype)])
+    if not fp8:
+        gate_up, down = stacked(len(ids), lambda i: one(ids[i]), [((H, 2 * Fi), dtype), ((Fi, H), dtype)])
+        return ExpertWeights(gate_up, down, shared_gate_up, shared_down)
+    gate_up, gate_up_s, down, down_s = stacked(
+        len(ids), lambda i: one(ids[i], True),
+        [((H, 2 * Fi), f8), ((H // G, 2 * Fi // G), torch.float32), ((Fi, H), f8), ((Fi // G, H // G), torch.float32)])
+    return ExpertWeights(gate_up, down, shared_gate_up, shared_down, w_gate_up_scales=gate_up_s,
+                         w_down_scales=down_s)
 
 
 # ---- DeepSeek-V3 checkpoints ---------------------------------------------------------------

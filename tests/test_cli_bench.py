@@ -119,6 +119,19 @@ def test_accuracy_of_fp8_experts(ray_session, tmp_path, capsys):
     assert "intermediate_size % 128 == 0" in capsys.readouterr().err
 
 
+def test_accuracy_refuses_experts_that_do_not_fit(ray_session, capsys):
+    # F = 2^23 on the tiny preset: ~100 GB of experts; refused in one line before any worker
+    # builds them (a real case: deepseek-v3 on a 24 GB host, where Ray then killed a worker)
+    assert accuracy.main(["--preset", "tiny", "--world", "2", "--tokens", "4", "--dispatch-dtype", "fp8",
+                          "--intermediate-size", str(2**23)]) == 1
+    err = capsys.readouterr().err
+    assert "EPClusterError: not enough memory for the accuracy run of tiny" in err and "Traceback" not in err
+    # a config that cannot be built at all: one line, exit 2, no worker started
+    with pytest.raises(SystemExit) as e:
+        accuracy.main(["--preset", "tiny", "--world", "2", "--tokens", "4", "--intermediate-size", str(2**26)])
+    assert e.value.code == 2 and "too large for 32-bit offsets" in capsys.readouterr().err
+
+
 def test_plan_rejects_a_bad_topology(capsys):
     assert cli.main(["plan", "--preset", "mixtral", "--gpus", "3"]) == 2  # one line, not a traceback
     assert "n_experts" in capsys.readouterr().err

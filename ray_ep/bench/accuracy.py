@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from ..config import PRESETS, EPConfig
+from ..errors import EPError
 from ..inputs import ROUTINGS, rank_inputs
 
 DTYPES = ("fp8", "nvfp4")
@@ -104,6 +105,9 @@ def measure(cluster, preset: str, *, dtypes: Sequence[str] = DTYPES, num_tokens:
             cfg = EPConfig.preset(preset, **{**overrides, **dict(
                 n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node, max_tokens_per_rank=num_tokens,
                 dispatch_dtype=dt, expert_dtype=edt)})
+            if not made:  # the bf16 experts, plus their fp8 copy (counted as a second layer: a bound)
+                cluster.require_memory(cfg, what=f"the accuracy run of {preset}", symmetric=True, scratch=True,
+                                       layers=2 if "fp8" in expert_dtypes else 1)
             cluster.call_workers("add_group", groups[_key(dt, edt)], cfg)
             made.append(groups[_key(dt, edt)])
         rows = []
@@ -153,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="F over the preset's (fp8 experts need a multiple of 128; the tiny preset has 64)")
     ap.add_argument("--json", help="write the rows to this JSON file")
     ap.add_argument("--address", default=None, help="Ray address (default: start a local Ray)")
+    ap.add_argument("--no-memory-check", action="store_true",
+                    help="run even where the memory plan says the experts do not fit")
     a = ap.parse_args(argv)
     dtypes = [d for d in a.dispatch_dtype.split(",") if d]
     if any(d not in DTYPES for d in dtypes):
@@ -161,20 +167,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not expert_dtypes or any(d not in EXPERT_DTYPES for d in expert_dtypes):
         ap.error(f"--expert-dtype: choose from {','.join(EXPERT_DTYPES)}")
     overrides = {} if a.intermediate_size is None else {"intermediate_size": a.intermediate_size}
-    if "fp8" in expert_dtypes:
+    gpus = torch.cuda.device_count()
+    world = a.gpus or a.world or gpus or 2
+    for edt in expert_dtypes:
         try:  # a config error in one line, before any worker starts
-            EPConfig.preset(a.preset, expert_dtype="fp8", **overrides)
+            EPConfig.preset(a.preset, gpus_per_node=world, max_tokens_per_rank=a.tokens, expert_dtype=edt,
+                            **overrides)
         except ValueError as e:
             from ..config import describe_config_error
 
-            ap.error(f"--expert-dtype fp8: {describe_config_error(e)}")
-    gpus = torch.cuda.device_count()
-    world = a.gpus or a.world or gpus or 2
+            ap.error(("--expert-dtype fp8: " if edt == "fp8" else "") + describe_config_error(e))
     cfg = EPConfig.preset(a.preset, n_nodes=1, gpus_per_node=world, max_tokens_per_rank=a.tokens)
-    with EPCluster(cfg, address=a.address) as ep:
-        rows = measure(ep, a.preset, dtypes=dtypes, num_tokens=a.tokens, seed=a.seed, routing=a.routing,
-                       x_scales=[float(s) for s in a.x_scale.split(",")], expert_dtypes=expert_dtypes, **overrides)
-        backend = ep.backend
+    try:
+        with EPCluster(cfg, address=a.address, check_memory=not a.no_memory_check) as ep:
+            rows = measure(ep, a.preset, dtypes=dtypes, num_tokens=a.tokens, seed=a.seed, routing=a.routing,
+                           x_scales=[float(s) for s in a.x_scale.split(",")], expert_dtypes=expert_dtypes,
+                           **overrides)
+            backend = ep.backend
+    except EPError as e:  # one line, as the ray-ep commands print them
+        print(f"{ap.prog}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     size = f", F {a.intermediate_size}" if a.intermediate_size else ""
     print(f"# {a.preset}{size}: {world} ranks, backend {backend}, {a.routing} routing, seed {a.seed}; "
           f"error of the MoE output against bf16 dispatch with bf16 experts")
