@@ -390,6 +390,11 @@ def test_quantize_rows_fp8_quantises_each_real_row_once(a_kind):
     r = real.cpu()
     assert torch.equal(q2.cpu()[r].view(torch.uint8), want_q[:M][r].view(torch.uint8))
     assert torch.equal(s2.cpu()[r], want_s[:M][r])
+    # outputs the kernel cannot address row by row are refused
+    bad_scales = torch.ones(D // 128, rows, device=device).t()
+    with pytest.raises(ValueError, match="stride 1 along their last dim"):
+        quantize_rows_fp8(a=a.to(device), a_scales=a_s.to(device) if a_s is not None else None, row_offsets_L1=offsets,
+                          num_tokens_L=num_tokens, a_row_ids=ids.to(device), out=(q.to(device), bad_scales))
 
 
 def test_grouped_gemm_fp8_weights_persistent_grid_and_no_tokens():

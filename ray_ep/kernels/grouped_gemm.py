@@ -236,8 +236,9 @@ def quantize_rows_fp8(*, a: torch.Tensor, a_scales: torch.Tensor | None, row_off
     q, qs = out
     check_tensor("out[0]", q, shape=(rows, D), dtypes=(torch.float8_e4m3fn,), device=a.device)
     check_tensor("out[1]", qs, shape=(rows, D // FP8_GROUP), dtypes=(torch.float32,), device=a.device)
-    if q.stride(1) != 1:
-        raise EPInputError("quantize_rows_fp8: out[0] needs contiguous rows (stride 1 along D)")
+    if q.stride(1) != 1 or qs.stride(1) != 1:
+        raise EPInputError("quantize_rows_fp8: out[0] and out[1] need contiguous rows (stride 1 along their "
+                           "last dim)")
     M = a_row_ids.shape[0] if a_row_ids is not None else rows
     L = num_tokens_L.shape[0]
     if M == 0 or rows == 0:
