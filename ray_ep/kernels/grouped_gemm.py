@@ -124,7 +124,7 @@ def _grouped_gemm_kernel(
                 bc = d0 // 16 + tl.arange(0, BLOCK_D // 16)
                 bits = tl.load(a_scales_ptr + src[:, None] * stride_sm + bc[None, :] * stride_sd,
                                mask=a_mask[:, None] & (bc[None, :] < D // 16), other=0)
-                a = unpack_nvfp4_tile(packed, bits).to(tl.bfloat16)
+                a = unpack_nvfp4_tile(packed, bits, 1.0).to(tl.bfloat16)
             else:
                 a = tl.load(a_ptrs, mask=a_mask[:, None] & d_mask[None, :], other=0.0)
             if B_FP8:
@@ -197,7 +197,7 @@ def _quantize_rows_kernel(
                 bc = d0 // 16 + tl.arange(0, GROUP_D // 16)
                 bits = tl.load(a_scales_ptr + src[:, None] * stride_sm + bc[None, :] * stride_sd, mask=ok[:, None],
                                other=0)
-                x = unpack_nvfp4_tile(packed, bits)
+                x = unpack_nvfp4_tile(packed, bits, 1.0)
             else:
                 cols = d0 + tl.arange(0, GROUP_D)
                 x = tl.load(a_ptr + src[:, None] * stride_am + cols[None, :] * stride_ad, mask=ok[:, None],

@@ -86,14 +86,14 @@ def e4m3_bits_to_f32(bits):
 
 
 @triton.jit
-def unpack_nvfp4_tile(packed, bits):
-    """fp32 [ROWS, 2 * P] of packed codes [ROWS, P] and their block scales' bits [ROWS, P / 8]
-    (per-tensor scale 1)."""
+def unpack_nvfp4_tile(packed, bits, global_scale):
+    """fp32 [ROWS, 2 * P] of packed codes [ROWS, P] (uint8 or int32) and their block scales'
+    bits [ROWS, P / 8], times the per-tensor scale: ``e2m1(code) * (scale * global_scale)``."""
     ROWS: tl.constexpr = packed.shape[0]
     P: tl.constexpr = packed.shape[1]
     p = packed.to(tl.int32)
     codes = tl.reshape(tl.join(p & 15, p >> 4), (ROWS, P // (_BLOCK // 2), _BLOCK))
-    v = e2m1_to_f32(codes) * e4m3_bits_to_f32(bits)[:, :, None]
+    v = e2m1_to_f32(codes) * (e4m3_bits_to_f32(bits) * global_scale)[:, :, None]
     return tl.reshape(v, (ROWS, 2 * P))
 
 
@@ -126,10 +126,7 @@ def _dequantize_nvfp4_kernel(q_ptr, s_ptr, out_ptr, T, H, stride_q, stride_s, gl
         p = tl.load(q_ptr + r64 * stride_q + pc[None, :], mask=rmask & (pc[None, :] < H // 2), other=0)
         bc = h0 // _BLOCK + tl.arange(0, BLOCK_H // _BLOCK)
         bits = tl.load(s_ptr + r64 * stride_s + bc[None, :], mask=rmask & (bc[None, :] < H // _BLOCK), other=0)
-        p32 = p.to(tl.int32)
-        codes = tl.reshape(tl.join(p32 & 15, p32 >> 4), (BLOCK_T, BLOCK_H // _BLOCK, _BLOCK))
-        d = e4m3_bits_to_f32(bits) * global_scale
-        v = tl.reshape(e2m1_to_f32(codes) * d[:, :, None], (BLOCK_T, BLOCK_H))
+        v = unpack_nvfp4_tile(p, bits, global_scale)
         cols = h0 + tl.arange(0, BLOCK_H)
         tl.store(out_ptr + r64 * H + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=rmask & (cols[None, :] < H))
 
