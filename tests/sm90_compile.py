@@ -34,7 +34,7 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 
 
 def record_launches(cfg) -> list[tuple]:
-    """(kernel, args, meta) of one fused and one split dispatch and combine of ``cfg`` on rank 0."""
+    """(kernel, args, meta, warps) of one fused and one split dispatch and combine of ``cfg`` on rank 0."""
     from ray_ep.kernels import _util, combine, dispatch, layout
     from ray_ep.transport.local import LocalWorld
 
@@ -42,7 +42,7 @@ def record_launches(cfg) -> list[tuple]:
 
     def fake_launch(kernel, *, work, device, budget, resident, args, meta, warps=4):
         _util.check_names(kernel, args, meta)  # every parameter named, none twice or unknown
-        seen.append((kernel, args, meta))
+        seen.append((kernel, args, meta, warps))
 
     for mod in (_util, dispatch, combine):
         mod.launch = fake_launch
@@ -175,6 +175,14 @@ def _wgmma(ptx: str) -> str:
     return "+".join(kinds) or "no"
 
 
+def _narrow_stores(ptx: str) -> int:
+    """Global stores of 1 or 2 bytes in ``ptx``: row data stored that way (to a peer over
+    NVLink, above all) costs 8 to 16 times the store instructions of a 16-byte vector."""
+    import re
+
+    return len(re.findall(r"st\.global(?:\.\w+)*?\.b(?:8|16)\b", ptx))
+
+
 def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None = None, specialize: bool = False):
     """A cubin of ``kernel`` for sm_90. ``specialize``: as Triton's JIT does at a launch, an
     integer argument equal to 1 becomes a constant and pointers and integers divisible by 16
@@ -225,7 +233,7 @@ def main() -> int:
     from ray_ep.config import EPConfig
 
     cfg = EPConfig.preset("tiny", n_nodes=2 if a.multi_node else 1, gpus_per_node=2,
-                          dispatch_dtype="fp8" if a.fp8 else "nvfp4" if a.nvfp4 else "bf16", hidden_size=256,
+                          dispatch_dtype="fp8" if a.fp8 else "nvfp4" if a.nvfp4 else "bf16", hidden_size=2048,
                           max_tokens_per_rank=512)
     bitcode = a.bitcode
     if a.multi_node and bitcode is None:
@@ -241,7 +249,9 @@ def main() -> int:
     if a.fp8_experts:
         launches = record_fp8_expert_launches()
     else:
-        launches = [(k, args, meta, None) for k, args, meta in record_launches(cfg)]
+        # every SM (one row per program) and, on one node, an SM budget (whole-SM programs)
+        cfgs = (cfg,) if a.multi_node else (cfg, cfg.model_copy(update={"num_sms": 24}))
+        launches = [(k, args, meta, {"num_warps": warps}) for c in cfgs for k, args, meta, warps in record_launches(c)]
     if a.nvfp4 and not a.multi_node:
         launches += record_nvfp4_format_launches()
     for kernel, args, meta, options in launches:
@@ -250,10 +260,11 @@ def main() -> int:
             continue
         done.add(key)
         try:
-            ck = compile_sm90(kernel, args, meta, bitcode, options, specialize=a.fp8_experts)
+            # specialised as the JIT does at a launch (alignment hints decide vector widths)
+            ck = compile_sm90(kernel, args, meta, bitcode, options, specialize=True)
             print(f"OK   {kernel.fn.__name__:<28} {len(ck.asm['cubin']):>8} B cubin, "
                   f"nvshmem={'nvshmem' in ck.asm['ptx']}, wgmma={_wgmma(ck.asm['ptx'])}, "
-                  f"shared={ck.metadata.shared}")
+                  f"narrow_stores={_narrow_stores(ck.asm['ptx'])}, shared={ck.metadata.shared}")
         except Exception:  # noqa: BLE001 - report every kernel
             failed += 1
             print(f"FAIL {kernel.fn.__name__}\n{traceback.format_exc()}")

@@ -44,10 +44,18 @@ def test_single_node_kernels_compile(dtype):
     out = _compile(*([f"--{dtype}"] if dtype != "bf16" else []))
     lines = [line for line in out.splitlines() if line.startswith("OK")]
     # fused, send and recv of dispatch and combine; the dispatch's fused and send twice (the
-    # small-batch layout and the one from block bases); nvfp4 adds its quantise and dequantise
-    # kernels and the grouped GEMM that unpacks nvfp4 rows
-    assert len(lines) == (11 if dtype == "nvfp4" else 8), out
+    # small-batch layout and the one from block bases); all of it again under an SM budget but
+    # the dispatch's receive (the same tile); nvfp4 adds its quantise and dequantise kernels
+    # and the grouped GEMM that unpacks nvfp4 rows
+    assert len(lines) == (18 if dtype == "nvfp4" else 15), out
     assert all("nvshmem=False" in line for line in lines), out
+    # rows leave in 8- or 16-byte vector stores, never byte by byte: the peer pointers carry
+    # their 16-byte alignment (before they did not, and every bf16 row went out in 2-byte
+    # stores, every fp8 row in 1-byte ones). nvfp4's e4m3 block scales, one byte per 16
+    # channels, go out as bytes (the kernels that quantise to nvfp4)
+    scales = ("_dispatch_", "_quantize_nvfp4") if dtype == "nvfp4" else ()
+    comm = [line for line in lines if not any(name in line for name in scales)]
+    assert all("narrow_stores=0," in line for line in comm), out
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8", "nvfp4"])

@@ -39,8 +39,7 @@ def peer_ptr(peer_bases_ptr, rank, offset_bytes, DTYPE: tl.constexpr):
     """Typed pointer to byte ``offset_bytes`` of rank ``rank``'s symmetric block."""
     base = tl.load(peer_bases_ptr + rank)
     # blocks and sub-buffers are 128 B aligned: tell the compiler so stores vectorise
-    addr = tl.multiple_of(base + offset_bytes, 16)
-    return addr.to(tl.pointer_type(DTYPE))
+    return tl.multiple_of((base + offset_bytes).to(tl.pointer_type(DTYPE)), 16)
 
 
 @triton.jit
