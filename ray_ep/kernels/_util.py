@@ -29,7 +29,7 @@ def num_sms(device: torch.device | str) -> int:
 
 COMM_WARPS = 4  # warps per row of a communication kernel's tile (see comm_tile)
 # rows per program under an SM budget (see comm_tile)
-BUDGET_ROWS = {"dispatch": 4, "combine": 8}
+BUDGET_ROWS = {"dispatch": 8, "combine": 8}
 
 # Per-SM limits of Hopper (sm_90, H100 / H200; CUDA occupancy tables): they bound how many
 # programs of a kernel are resident at once
@@ -132,8 +132,11 @@ def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str,
 
     Without an SM budget: :func:`tile_shape` (one row, many small programs per SM). Under a
     budget the grid is at most ``budget`` programs, so each must fill its SM: BUDGET_ROWS[kind]
-    rows at COMM_WARPS warps per row (at 24 programs on 4x H200, prefill: dispatch 1391 ->
-    815 us with 4 rows, 851 with 8; combine 6157 -> 1559 us with 8 rows, 1902 with 4).
+    rows at COMM_WARPS warps per row, 1024 threads at 8 rows (prefill, 2x H200, 24 / 16 SMs,
+    with vector stores: dispatch bf16 250 / 341 us at 4 rows, 263 / 241 at 8; fp8 455 / 654 at
+    4, 350 / 490 at 8; 2 rows slower; combine 800 us at 8 rows, 959 at 4. Pipelining the channel
+    loop with cp.async, 2 or 3 stages, was slower for both: dispatch bf16 287-413 us, combine
+    974-1427 us at 24 SMs).
     """
     rows, channels = tile_shape(H, device, multiple)
     if budget and not interpreted():
