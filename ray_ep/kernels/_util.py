@@ -28,8 +28,10 @@ def num_sms(device: torch.device | str) -> int:
 
 
 COMM_WARPS = 4  # warps per row of a communication kernel's tile (see comm_tile)
-# rows per program under an SM budget (see comm_tile)
-BUDGET_ROWS = {"dispatch": 8, "combine": 8}
+# rows per program and channels per step under an SM budget (see comm_tile; combine_sum:
+# the combine's per-token sum, whose rows are the combine's)
+BUDGET_ROWS = {"dispatch": 8, "combine": 8, "combine_sum": 8}
+BUDGET_CHANNELS = {"dispatch": 2048, "combine": 1024, "combine_sum": 4096}
 
 # Per-SM limits of Hopper (sm_90, H100 / H200; CUDA occupancy tables): they bound how many
 # programs of a kernel are resident at once
@@ -132,15 +134,18 @@ def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str,
 
     Without an SM budget: :func:`tile_shape` (one row, many small programs per SM). Under a
     budget the grid is at most ``budget`` programs, so each must fill its SM: BUDGET_ROWS[kind]
-    rows at COMM_WARPS warps per row, 1024 threads at 8 rows (prefill, 2x H200, 24 / 16 SMs,
-    with vector stores: dispatch bf16 250 / 341 us at 4 rows, 263 / 241 at 8; fp8 455 / 654 at
-    4, 350 / 490 at 8; 2 rows slower; combine 800 us at 8 rows, 959 at 4. Pipelining the channel
-    loop with cp.async, 2 or 3 stages, was slower for both: dispatch bf16 287-413 us, combine
-    974-1427 us at 24 SMs).
+    rows at COMM_WARPS warps per row, 1024 threads at 8 rows, and BUDGET_CHANNELS[kind]
+    channels per step: one program per SM holds few loads in flight, so each thread takes
+    several 16-byte vectors per step (prefill, 2x H200, 24 / 16 SMs: dispatch bf16 250 / 341 us
+    at 4 rows x 1024, 261 / 237 at 8 x 1024, 246 / 227 at 8 x 2048; fp8 455 / 654, 345 / 482,
+    308 / 428; combine 800 us at 8 rows, 959 at 4; its per-token sum at 4096 channels instead
+    of 1024: combine 779 -> 610 / 1115 -> 881 us. Pipelining the channel loop with cp.async,
+    2 or 3 stages, was slower for both: dispatch bf16 287-413 us, combine 974-1427 at 24 SMs).
     """
     rows, channels = tile_shape(H, device, multiple)
     if budget and not interpreted():
         rows = BUDGET_ROWS[kind]
+        channels = max(multiple, min(BUDGET_CHANNELS[kind], triton.next_power_of_2(H)))
     return rows, channels, COMM_WARPS * rows
 
 

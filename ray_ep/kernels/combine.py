@@ -159,11 +159,11 @@ def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts
 @triton.jit(do_not_specialize=["T"])
 def _combine_recv_kernel(signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
                          epochs_ptr, recv_counter_ptr, status_ptr, T, N, H, R, timeout_ns, max_spins,
-                         R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
+                         R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr, BLOCK_HS: tl.constexpr,
                          USE_TIMER: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
-        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, R_PAD, HAS_ADD, BT, BLOCK_H)
+        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, R_PAD, HAS_ADD, BT, BLOCK_HS)
     if last_program_done(recv_counter_ptr):
         tl.store(epochs_ptr, epoch + 1)
 
@@ -174,7 +174,8 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
                           epochs_ptr, send_counter_ptr, recv_counter_ptr, status_ptr,
                           off_x, off_signal, off_sx, rank, R, L, N, H, ranks_per_node, T, timeout_ns, max_spins,
                           K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr,
-                          BJ: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                          BJ: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HS: tl.constexpr,
+                          OUT_DTYPE: tl.constexpr,
                           XB: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
@@ -182,7 +183,7 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
     if last_program_done(send_counter_ptr):
         _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
-        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, R_PAD, HAS_ADD, BT, BLOCK_H)
+        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, R_PAD, HAS_ADD, BT, BLOCK_HS)
     if last_program_done(recv_counter_ptr):
         tl.store(epochs_ptr, epoch + 1)
 
@@ -236,10 +237,16 @@ def _common_args(cfg: EPConfig, bufs: SymmetricBuffers, ws: Workspace) -> dict:
     return dict(epochs_ptr=ws.epochs[EPOCH_COMBINE:], R=cfg.world_size, N=cfg.max_tokens_per_rank, H=cfg.hidden_size)
 
 
-def _tile(cfg: EPConfig, bufs: SymmetricBuffers, budget: int | None) -> tuple[int, dict, int]:
-    """(rows per program, the channel constexprs, warps) of a combine under ``budget``."""
+def _tile(cfg: EPConfig, bufs: SymmetricBuffers, budget: int | None) -> tuple[int, dict, dict, int]:
+    """(rows per program, the send's and the sum's channel constexprs, warps) of a combine
+    under ``budget`` (the sum's step may be wider: it holds R rows per token in flight, not K)."""
     rows, channels, warps = comm_tile(cfg.hidden_size, bufs.device, budget, "combine")
-    return rows, dict(BLOCK_H=channels, R_PAD=triton.next_power_of_2(cfg.world_size)), warps
+    _, sum_channels, _ = comm_tile(cfg.hidden_size, bufs.device, budget, "combine_sum")
+    r_pad = triton.next_power_of_2(cfg.world_size)
+    # the sum holds R_PAD rows' steps in flight per token: at most 8192 channels of them (2 ranks
+    # x 4096 measured best; more ranks take narrower steps rather than spill registers)
+    sum_channels = max(channels, min(sum_channels, 8192 // r_pad))
+    return rows, dict(BLOCK_H=channels, R_PAD=r_pad), dict(BLOCK_HS=sum_channels, R_PAD=r_pad), warps
 
 
 def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers,
@@ -250,7 +257,7 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
     """
     _check_y(cfg, y_MH, bufs.device)
     budget = num_sms or cfg.num_sms
-    rows, tile, warps = _tile(cfg, bufs, budget)
+    rows, tile, _, warps = _tile(cfg, bufs, budget)
     args, meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
     # the host does not know how many rows arrived: a grid the SMs hold at once, looping over the live blocks
     launch(_combine_send_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), device=bufs.device,
@@ -263,7 +270,7 @@ def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffer
     """Wait for every rank's partial rows and sum them per token. Returns out_TH [T, H]."""
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     budget = num_sms or cfg.num_sms
-    rows, tile, warps = _tile(cfg, bufs, budget)
+    rows, _, tile, warps = _tile(cfg, bufs, budget)
     args, meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
     launch(_combine_recv_kernel, work=triton.cdiv(handle.num_tokens, rows), device=bufs.device,
            budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
@@ -280,12 +287,12 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
     _check_y(cfg, y_MH, bufs.device)
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     budget = num_sms or cfg.num_sms
-    rows, tile, warps = _tile(cfg, bufs, budget)
+    rows, send_tile, sum_tile, warps = _tile(cfg, bufs, budget)
     send_args, send_meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
     recv_args, recv_meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
     work = max(triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), triton.cdiv(handle.num_tokens, rows))
     launch(_combine_fused_kernel, work=work, device=bufs.device, budget=budget, resident=True,
-           args={**send_args, **recv_args}, meta={**send_meta, **recv_meta, **tile}, warps=warps)
+           args={**send_args, **recv_args}, meta={**send_meta, **recv_meta, **send_tile, **sum_tile}, warps=warps)
     if check:
         check_status(ws, bufs.rank, "combine")
     return out
