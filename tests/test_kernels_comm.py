@@ -769,3 +769,26 @@ def test_send_lays_out_its_own_tokens_like_compute_layout(T, routing, mask):
         for name in ("token_slots_TR", "ordinals_TK", "expert_counts_E", "rank_counts_R"):
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), name
         assert int(world.workspaces[0].totals.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("R,sum_channels", [(2, 4096), (4, 2048), (8, 1024)])
+def test_tiles_under_an_sm_budget(monkeypatch, R, sum_channels):
+    # the GPU's tiles (the interpreter's are whole rows): without a budget one row per
+    # program; under one a program fills its SM (8 rows, 32 warps) and each thread keeps
+    # several 16-byte loads in flight, the combine's sum at most 8192 channels of its R rows
+    from types import SimpleNamespace
+
+    from ray_ep.kernels import _util
+
+    monkeypatch.setattr(_util, "interpreted", lambda: False)
+    cfg = EPConfig.preset("deepseek-v3", gpus_per_node=R)
+    cpu = torch.device("cpu")
+    assert _util.comm_tile(cfg.hidden_size, cpu, None, "dispatch", multiple=FP8_GROUP) == (1, 1024, 4)
+    assert _util.comm_tile(cfg.hidden_size, cpu, 24, "dispatch", multiple=FP8_GROUP) == (8, 2048, 32)
+    rows, send, summed, warps = C._tile(cfg, SimpleNamespace(device=cpu), 24)
+    assert (rows, send["BLOCK_H"], summed["BLOCK_HS"], warps) == (8, 1024, sum_channels, 32)
+    assert send["R_PAD"] == summed["R_PAD"] == R
+    rows, send, summed, warps = C._tile(cfg, SimpleNamespace(device=cpu), None)
+    assert (rows, send["BLOCK_H"], summed["BLOCK_HS"], warps) == (1, 1024, 1024, 4)
+    # a narrow model takes its whole row per step
+    assert _util.comm_tile(256, cpu, 24, "combine_sum") == (8, 256, 32)
