@@ -791,4 +791,4 @@ def test_tiles_under_an_sm_budget(monkeypatch, R, sum_channels):
     rows, send, summed, warps = C._tile(cfg, SimpleNamespace(device=cpu), None)
     assert (rows, send["BLOCK_H"], summed["BLOCK_HS"], warps) == (1, 1024, 1024, 4)
     # a narrow model takes its whole row per step
-    assert _util.comm_tile(256, cpu, 24, "combine_sum") == (8, 256, 32)
+    assert _util.comm_tile(256, cpu, 24, "combine", channels=4096) == (8, 256, 32)

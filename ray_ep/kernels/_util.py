@@ -28,10 +28,9 @@ def num_sms(device: torch.device | str) -> int:
 
 
 COMM_WARPS = 4  # warps per row of a communication kernel's tile (see comm_tile)
-# rows per program and channels per step under an SM budget (see comm_tile; combine_sum:
-# the combine's per-token sum, whose rows are the combine's)
-BUDGET_ROWS = {"dispatch": 8, "combine": 8, "combine_sum": 8}
-BUDGET_CHANNELS = {"dispatch": 2048, "combine": 1024, "combine_sum": 4096}
+# rows per program and channels per step under an SM budget (see comm_tile)
+BUDGET_ROWS = {"dispatch": 8, "combine": 8}
+BUDGET_CHANNELS = {"dispatch": 2048, "combine": 1024}
 
 # Per-SM limits of Hopper (sm_90, H100 / H200; CUDA occupancy tables): they bound how many
 # programs of a kernel are resident at once
@@ -128,9 +127,10 @@ def tile_shape(H: int, device: torch.device | str, multiple: int = 8) -> tuple[i
     return 1, max(multiple, min(1024, triton.next_power_of_2(H)))
 
 
-def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str, multiple: int = 8
-              ) -> tuple[int, int, int]:
-    """(rows, channels, warps) of a dispatch or combine program.
+def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str, multiple: int = 8,
+              channels: int | None = None) -> tuple[int, int, int]:
+    """(rows, channels, warps) of a dispatch or combine program (``channels``: the step under
+    a budget instead of BUDGET_CHANNELS[kind]).
 
     Without an SM budget: :func:`tile_shape` (one row, many small programs per SM). Under a
     budget the grid is at most ``budget`` programs, so each must fill its SM: BUDGET_ROWS[kind]
@@ -142,11 +142,11 @@ def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str,
     of 1024: combine 779 -> 610 / 1115 -> 881 us. Pipelining the channel loop with cp.async,
     2 or 3 stages, was slower for both: dispatch bf16 287-413 us, combine 974-1427 at 24 SMs).
     """
-    rows, channels = tile_shape(H, device, multiple)
+    rows, step = tile_shape(H, device, multiple)
     if budget and not interpreted():
         rows = BUDGET_ROWS[kind]
-        channels = max(multiple, min(BUDGET_CHANNELS[kind], triton.next_power_of_2(H)))
-    return rows, channels, COMM_WARPS * rows
+        step = max(multiple, min(channels or BUDGET_CHANNELS[kind], triton.next_power_of_2(H)))
+    return rows, step, COMM_WARPS * rows
 
 
 def timeouts(cfg) -> tuple[int, int]:

@@ -190,6 +190,9 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
 
 # ---- launchers -----------------------------------------------------------------------------
 _TL_DTYPES = {"bf16": tl.bfloat16, "fp32": tl.float32}
+# under an SM budget, the per-token sum's step times the R_PAD rows it loads at once (2 ranks x
+# 4096 channels measured best, see comm_tile; more ranks take narrower steps, not spills)
+SUM_CHANNELS_IN_FLIGHT = 8192
 _WIRE_BYTES = {"bf16": 2, "fp32": 4}
 
 
@@ -240,12 +243,11 @@ def _common_args(cfg: EPConfig, bufs: SymmetricBuffers, ws: Workspace) -> dict:
 def _tile(cfg: EPConfig, bufs: SymmetricBuffers, budget: int | None) -> tuple[int, dict, dict, int]:
     """(rows per program, the send's and the sum's channel constexprs, warps) of a combine
     under ``budget`` (the sum's step may be wider: it holds R rows per token in flight, not K)."""
-    rows, channels, warps = comm_tile(cfg.hidden_size, bufs.device, budget, "combine")
-    _, sum_channels, _ = comm_tile(cfg.hidden_size, bufs.device, budget, "combine_sum")
     r_pad = triton.next_power_of_2(cfg.world_size)
-    # the sum holds R_PAD rows' steps in flight per token: at most 8192 channels of them (2 ranks
-    # x 4096 measured best; more ranks take narrower steps rather than spill registers)
-    sum_channels = max(channels, min(sum_channels, 8192 // r_pad))
+    rows, channels, warps = comm_tile(cfg.hidden_size, bufs.device, budget, "combine")
+    # the sum holds R_PAD rows' steps in flight per token: SUM_CHANNELS_IN_FLIGHT in all
+    _, sum_channels, _ = comm_tile(cfg.hidden_size, bufs.device, budget, "combine",
+                                   channels=SUM_CHANNELS_IN_FLIGHT // r_pad)
     return rows, dict(BLOCK_H=channels, R_PAD=r_pad), dict(BLOCK_HS=sum_channels, R_PAD=r_pad), warps
 
 
