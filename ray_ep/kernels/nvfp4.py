@@ -28,6 +28,23 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
+def e2m1_codes(v):
+    """int32 codes 0..7 of fp32 magnitudes v >= 0 on the e2m1 grid {0, 0.5, 1, 1.5, 2, 3, 4,
+    6}, rounded to nearest even and saturating at 6, in a few integer ops on the bits (the
+    encode is the send's per-element cost under an SM budget; one compare per grid midpoint
+    took twice as many). From 1 up, e2m1 is fp32 with one mantissa bit: round the bits to it
+    (add half an ulp less one, plus the kept bit for ties) and read exponent and bit as one
+    number (1.0 is 254 -> code 2). Below 1, two midpoints: 0.25 rounds down, 0.75 up (to the
+    even 1.0); for v >= 0 the bits order as the values do.
+    Example: 0.75 -> 2 (1.0), 1.25 -> 2, 1.75 -> 4 (2.0), 2.6 -> 5 (3.0), 9.0 -> 7 (6.0)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = tl.minimum(((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252, 7)
+    # 0x3E800000, 0x3F400000, 0x3F800000: the bits of 0.25, 0.75 and 1.0
+    small = (bits > 0x3E800000).to(tl.int32) + (bits >= 0x3F400000).to(tl.int32)
+    return tl.where(bits < 0x3F800000, small, normal)
+
+
+@triton.jit
 def quantize_nvfp4_tile(x, g):
     """Quantise a [ROWS, C] fp32 tile (C a multiple of 32) with per-tensor scale g (fp32).
 
@@ -45,13 +62,8 @@ def quantize_nvfp4_tile(x, g):
     pos = d > 0
     inv = tl.where(pos, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(pos, d, 1.0)), 0.0)
     v = tl.abs(b) * inv[:, :, None]
-    # round to nearest even onto {0, 0.5, 1, 1.5, 2, 3, 4, 6}: the code counts the midpoints
-    # passed; at a midpoint (>=) only where the upper code is even (0.75 -> 2, 1.75 -> 4, 3.5 -> 6)
-    code = ((v > 0.25).to(tl.int32) + (v >= 0.75).to(tl.int32) + (v > 1.25).to(tl.int32)
-            + (v >= 1.75).to(tl.int32) + (v > 2.5).to(tl.int32) + (v >= 3.5).to(tl.int32)
-            + (v > 5.0).to(tl.int32))
-    sign = (b.to(tl.int32, bitcast=True) >> 31) & 1  # the sign bit of x, -0.0 included
-    code = tl.reshape(code | (sign << 3), (ROWS, C // 2, 2))
+    sign = (b.to(tl.int32, bitcast=True) >> 28) & 8  # the sign bit of x at code bit 3, -0.0 included
+    code = tl.reshape(e2m1_codes(v) | sign, (ROWS, C // 2, 2))
     lo, hi = tl.split(code)  # channel 2i in the low nibble of byte i
     packed = (lo | (hi << 4)).to(tl.uint8)
     bits = s.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
