@@ -133,7 +133,7 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
                K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, FP8: tl.constexpr,
                BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
                OWN_LAYOUT: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr, NVFP4: tl.constexpr,
-               BRANCHLESS: tl.constexpr):
+               BRANCHLESS: tl.constexpr, PREFETCH: tl.constexpr):
     """Store this program's share of token rows and meta rows into every destination on this
     node; with REMOTE, stage them once in this rank's ``dispatch.send`` rows and put them to
     the destinations on other nodes (nodes of ranks_per_node ranks)."""
@@ -170,11 +170,21 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
                 tl.store(meta, ids, mask=mm)
                 tl.store(meta + K, ords, mask=mm)
                 tl.store(meta + 2 * K, wbits, mask=mm)
+        x_row = x_ptr + toks[:, None].to(tl.int64) * stride_x
+        if PREFETCH:
+            # the next step's channels load while this step quantises and stores: under an SM
+            # budget each program waits on its loads' latency, not on bandwidth
+            c0 = tl.arange(0, BLOCK_H)
+            x_next = tl.load(x_row + c0[None, :], mask=tm[:, None] & (c0[None, :] < H), other=0.0)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             cm = cols < H
-            x = tl.load(x_ptr + toks[:, None].to(tl.int64) * stride_x + cols[None, :],
-                        mask=tm[:, None] & cm[None, :], other=0.0)
+            if PREFETCH:
+                x = x_next
+                x_next = tl.load(x_row + BLOCK_H + cols[None, :], mask=tm[:, None] & (cols[None, :] + BLOCK_H < H),
+                                 other=0.0)
+            else:
+                x = tl.load(x_row + cols[None, :], mask=tm[:, None] & cm[None, :], other=0.0)
             if FP8:
                 q, s = quantize_group(x.to(tl.float32), SG)
                 g = h0 // _FP8_GROUP + tl.arange(0, SG)
@@ -349,12 +359,13 @@ def _dispatch_send_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w,
                           K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
                           FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr,
                           EMULATE: tl.constexpr, OWN_LAYOUT: tl.constexpr, CH: tl.constexpr,
-                          SB: tl.constexpr, NVFP4: tl.constexpr, BRANCHLESS: tl.constexpr):
+                          SB: tl.constexpr, NVFP4: tl.constexpr, BRANCHLESS: tl.constexpr,
+                          PREFETCH: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
                bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L,
                ranks_per_node, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB, NVFP4,
-               BRANCHLESS)
+               BRANCHLESS, PREFETCH)
     if last_program_done(send_counter_ptr):
         if OWN_LAYOUT == LAYOUT_SCANNED:
             _take_totals(totals_ptr, expert_counts_ptr, R * L + R, 256)
@@ -389,12 +400,12 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
                            A_PAD: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
                            BJ: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
                            OWN_LAYOUT: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr, NVFP4: tl.constexpr,
-               BRANCHLESS: tl.constexpr):
+                           BRANCHLESS: tl.constexpr, PREFETCH: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
                bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L,
                ranks_per_node, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB, NVFP4,
-               BRANCHLESS)
+               BRANCHLESS, PREFETCH)
     if last_program_done(send_counter_ptr):
         if OWN_LAYOUT == LAYOUT_SCANNED:
             _take_totals(totals_ptr, expert_counts_ptr, R * L + R, 256)
@@ -466,10 +477,13 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
                 send_counter_ptr=ws.counters[COUNTER_DISPATCH_SEND:], T=x_TH.shape[0], H=cfg.hidden_size,
                 ranks_per_node=cfg.gpus_per_node, **bufs.dispatch.send_args(), **_common_args(cfg, bufs, ws))
     # several rows per program (an SM budget, the interpreter): measured at 24 programs on 4x H200,
-    # prefill dispatch bf16 769 -> 654 us, fp8 1004 -> 781 us; one row per program keeps the test
+    # prefill dispatch bf16 769 -> 654 us, fp8 1004 -> 781 us; one row per program keeps the test.
+    # PREFETCH (several rows, quantised wire rows): the next step's channels load while this one
+    # quantises; 2x H200, prefill at 24 / 16 SMs: fp8 308 -> 287 / 428 -> 396 us, nvfp4 399 ->
+    # 387 / 561 -> 544; bf16 (nothing to overlap) 248 -> 261 / 224 -> 241, so not for bf16
     meta = dict(FP8=cfg.dispatch_dtype == "fp8", NVFP4=cfg.dispatch_dtype == "nvfp4", BT=bt, BLOCK_H=bh,
                 OWN_LAYOUT=int(how), CH=64 if interpreted() else 32, SB=block_tokens(), BRANCHLESS=bt > 1,
-                **_common_meta(cfg), **remote_meta(cfg))
+                PREFETCH=bt > 1 and cfg.dispatch_dtype != "bf16", **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
 
 
