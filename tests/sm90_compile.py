@@ -52,8 +52,9 @@ def record_launches(cfg) -> list[tuple]:
     bufs, ws = world.bufs[0], world.workspaces[0]
     K = cfg.top_k
     y = torch.zeros(cfg.max_recv_rows, cfg.hidden_size, dtype=torch.bfloat16)
-    # a small batch (the send scans every earlier token) and a full one (from block_bases)
-    for T in (min(64, cfg.max_tokens_per_rank), cfg.max_tokens_per_rank):
+    # decode-sized (a token per SM or fewer: the combine's small-batch step; the CPU stands in
+    # for 4 SMs), a small batch (the send scans every earlier token) and a full one (from block_bases)
+    for T in (4, min(64, cfg.max_tokens_per_rank), cfg.max_tokens_per_rank):
         x = torch.zeros(T, cfg.hidden_size, dtype=torch.bfloat16)
         ids = torch.zeros(T, K, dtype=torch.int32)
         w = torch.zeros(T, K)

@@ -785,10 +785,16 @@ def test_tiles_under_an_sm_budget(monkeypatch, R, sum_channels):
     cpu = torch.device("cpu")
     assert _util.comm_tile(cfg.hidden_size, cpu, None, "dispatch", multiple=FP8_GROUP) == (1, 1024, 4)
     assert _util.comm_tile(cfg.hidden_size, cpu, 24, "dispatch", multiple=FP8_GROUP) == (8, 2048, 32)
-    rows, send, summed, warps = C._tile(cfg, SimpleNamespace(device=cpu), 24)
+    rows, send, summed, warps = C._tile(cfg, SimpleNamespace(device=cpu), 24, 4096)
     assert (rows, send["BLOCK_H"], summed["BLOCK_HS"], warps) == (8, 1024, sum_channels, 32)
     assert send["R_PAD"] == summed["R_PAD"] == R
-    rows, send, summed, warps = C._tile(cfg, SimpleNamespace(device=cpu), None)
+    rows, send, summed, warps = C._tile(cfg, SimpleNamespace(device=cpu), None, 4096)
     assert (rows, send["BLOCK_H"], summed["BLOCK_HS"], warps) == (1, 1024, 1024, 4)
+    # a token per SM or fewer (decode; the CPU stands in for 4 SMs): a combine program takes
+    # 4096 channels of its row per step, 16 warps; an SM budget keeps its tile
+    rows, send, summed, warps = C._tile(cfg, SimpleNamespace(device=cpu), None, 4)
+    assert (rows, send["BLOCK_H"], summed["BLOCK_HS"], warps) == (1, 4096, 4096, 16)
+    assert C._tile(cfg, SimpleNamespace(device=cpu), 24, 4)[3] == 32
+    assert _util.comm_tile(cfg.hidden_size, cpu, None, "dispatch", tokens=4) == (1, 1024, 4)
     # a narrow model takes its whole row per step
     assert _util.comm_tile(256, cpu, 24, "combine", channels=4096) == (8, 256, 32)

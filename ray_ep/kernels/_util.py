@@ -31,6 +31,9 @@ COMM_WARPS = 4  # warps per row of a communication kernel's tile (see comm_tile)
 # rows per program and channels per step under an SM budget (see comm_tile)
 BUDGET_ROWS = {"dispatch": 8, "combine": 8}
 BUDGET_CHANNELS = {"dispatch": 2048, "combine": 1024}
+# small batches (at most one token per SM: decode): channels per step of a combine program's row
+# at 8 per thread (one 16-byte bf16 vector per row in flight), see comm_tile
+SMALL_BATCH_CHANNELS = {"combine": 4096}
 
 # Per-SM limits of Hopper (sm_90, H100 / H200; CUDA occupancy tables): they bound how many
 # programs of a kernel are resident at once
@@ -128,9 +131,9 @@ def tile_shape(H: int, device: torch.device | str, multiple: int = 8) -> tuple[i
 
 
 def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str, multiple: int = 8,
-              channels: int | None = None) -> tuple[int, int, int]:
+              channels: int | None = None, tokens: int | None = None) -> tuple[int, int, int]:
     """(rows, channels, warps) of a dispatch or combine program (``channels``: the step under
-    a budget instead of BUDGET_CHANNELS[kind]).
+    a budget instead of BUDGET_CHANNELS[kind]; ``tokens``: the launch's tokens, if known).
 
     Without an SM budget: :func:`tile_shape` (one row, many small programs per SM). Under a
     budget the grid is at most ``budget`` programs, so each must fill its SM: BUDGET_ROWS[kind]
@@ -141,11 +144,20 @@ def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str,
     308 / 428; combine 800 us at 8 rows, 959 at 4; its per-token sum at 4096 channels instead
     of 1024: combine 779 -> 610 / 1115 -> 881 us. Pipelining the channel loop with cp.async,
     2 or 3 stages, was slower for both: dispatch bf16 287-413 us, combine 974-1427 at 24 SMs).
+
+    Without a budget and with at most one token per SM (``tokens``: decode), a combine program
+    takes SMALL_BATCH_CHANNELS of its row per step with a warp per 256 of them: a row's steps
+    run one after another, so fewer, wider steps end it sooner (decode, 2x H200, 128 tokens:
+    combine 25.5 -> 22.0 us, from CUDA graphs 25.1 -> 21.3 at 4096 channels and 16 warps;
+    8192 channels 24.2; the same for dispatch was slower: bf16 23.6 -> 25.3 us).
     """
     rows, step = tile_shape(H, device, multiple)
     if budget and not interpreted():
         rows = BUDGET_ROWS[kind]
         step = max(multiple, min(channels or BUDGET_CHANNELS[kind], triton.next_power_of_2(H)))
+    elif kind in SMALL_BATCH_CHANNELS and tokens is not None and tokens <= num_sms(device) and not interpreted():
+        step = max(multiple, min(SMALL_BATCH_CHANNELS[kind], triton.next_power_of_2(H)))
+        return rows, step, max(COMM_WARPS, min(32, step // 256))
     return rows, step, COMM_WARPS * rows
 
 

@@ -240,14 +240,15 @@ def _common_args(cfg: EPConfig, bufs: SymmetricBuffers, ws: Workspace) -> dict:
     return dict(epochs_ptr=ws.epochs[EPOCH_COMBINE:], R=cfg.world_size, N=cfg.max_tokens_per_rank, H=cfg.hidden_size)
 
 
-def _tile(cfg: EPConfig, bufs: SymmetricBuffers, budget: int | None) -> tuple[int, dict, dict, int]:
+def _tile(cfg: EPConfig, bufs: SymmetricBuffers, budget: int | None, tokens: int) -> tuple[int, dict, dict, int]:
     """(rows per program, the send's and the sum's channel constexprs, warps) of a combine
-    under ``budget`` (the sum's step may be wider: it holds R rows per token in flight, not K)."""
+    of ``tokens`` tokens under ``budget`` (the sum's step may be wider: it holds R rows per
+    token in flight, not K)."""
     r_pad = triton.next_power_of_2(cfg.world_size)
-    rows, channels, warps = comm_tile(cfg.hidden_size, bufs.device, budget, "combine")
+    rows, channels, warps = comm_tile(cfg.hidden_size, bufs.device, budget, "combine", tokens=tokens)
     # the sum holds R_PAD rows' steps in flight per token: SUM_CHANNELS_IN_FLIGHT in all
     _, sum_channels, _ = comm_tile(cfg.hidden_size, bufs.device, budget, "combine",
-                                   channels=SUM_CHANNELS_IN_FLIGHT // r_pad)
+                                   channels=SUM_CHANNELS_IN_FLIGHT // r_pad, tokens=tokens)
     return rows, dict(BLOCK_H=channels, R_PAD=r_pad), dict(BLOCK_HS=sum_channels, R_PAD=r_pad), warps
 
 
@@ -259,7 +260,7 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
     """
     _check_y(cfg, y_MH, bufs.device)
     budget = num_sms or cfg.num_sms
-    rows, tile, _, warps = _tile(cfg, bufs, budget)
+    rows, tile, _, warps = _tile(cfg, bufs, budget, handle.num_tokens)
     args, meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
     # the host does not know how many rows arrived: a grid the SMs hold at once, looping over the live blocks
     launch(_combine_send_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), device=bufs.device,
@@ -272,7 +273,7 @@ def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffer
     """Wait for every rank's partial rows and sum them per token. Returns out_TH [T, H]."""
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     budget = num_sms or cfg.num_sms
-    rows, _, tile, warps = _tile(cfg, bufs, budget)
+    rows, _, tile, warps = _tile(cfg, bufs, budget, handle.num_tokens)
     args, meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
     launch(_combine_recv_kernel, work=triton.cdiv(handle.num_tokens, rows), device=bufs.device,
            budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
@@ -289,7 +290,7 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
     _check_y(cfg, y_MH, bufs.device)
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     budget = num_sms or cfg.num_sms
-    rows, send_tile, sum_tile, warps = _tile(cfg, bufs, budget)
+    rows, send_tile, sum_tile, warps = _tile(cfg, bufs, budget, handle.num_tokens)
     send_args, send_meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
     recv_args, recv_meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
     work = max(triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), triton.cdiv(handle.num_tokens, rows))
