@@ -478,12 +478,13 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
                 ranks_per_node=cfg.gpus_per_node, **bufs.dispatch.send_args(), **_common_args(cfg, bufs, ws))
     # several rows per program (an SM budget, the interpreter): measured at 24 programs on 4x H200,
     # prefill dispatch bf16 769 -> 654 us, fp8 1004 -> 781 us; one row per program keeps the test.
-    # PREFETCH (several rows, quantised wire rows): the next step's channels load while this one
-    # quantises; 2x H200, prefill at 24 / 16 SMs: fp8 308 -> 287 / 428 -> 396 us, nvfp4 399 ->
-    # 387 / 561 -> 544; bf16 (nothing to overlap) 248 -> 261 / 224 -> 241, so not for bf16
+    # PREFETCH (quantised wire rows): the next step's channels load while this one quantises;
+    # 2x H200, prefill at 24 / 16 SMs: fp8 308 -> 287 / 428 -> 396 us, nvfp4 399 -> 387 /
+    # 561 -> 544; every SM: fp8 130 -> 125, nvfp4 132 -> 117; decode fp8 27.0 -> 25.3, nvfp4
+    # 26.2 -> 24.5. bf16 (nothing to overlap) at 24 / 16 SMs: 248 -> 261 / 224 -> 241, so not bf16
     meta = dict(FP8=cfg.dispatch_dtype == "fp8", NVFP4=cfg.dispatch_dtype == "nvfp4", BT=bt, BLOCK_H=bh,
                 OWN_LAYOUT=int(how), CH=64 if interpreted() else 32, SB=block_tokens(), BRANCHLESS=bt > 1,
-                PREFETCH=bt > 1 and cfg.dispatch_dtype != "bf16", **_common_meta(cfg), **remote_meta(cfg))
+                PREFETCH=cfg.dispatch_dtype != "bf16", **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
 
 
