@@ -47,7 +47,7 @@ def test_single_node_kernels_compile(dtype):
     # small-batch layout and the one from block bases), the combine's three twice (a token per
     # SM or fewer takes wider steps); all of it again under an SM budget but the dispatch's
     # receive (the same tile) and the combine's small-batch step; nvfp4 adds its quantise and
-    # dequantise kernels and the grouped GEMM that unpacks nvfp4 rows
+    # dequantise kernels and the grouped GEMM over the rows the latter decodes
     assert len(lines) == (21 if dtype == "nvfp4" else 18), out
     assert all("nvshmem=False" in line for line in lines), out
     # rows leave in 8- or 16-byte vector stores, never byte by byte: the peer pointers carry
