@@ -91,9 +91,9 @@ def out_dtype_of(cfg: EPConfig) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=None)
-def expert_weights() -> ExpertWeights:
-    # H, F, E and S are the same for every world size of the tiny preset
-    return init_expert_weights(make_cfg(2), seed=0)
+def expert_weights(hidden_size: int = 128) -> ExpertWeights:
+    # F, E and S are the same for every world size of the tiny preset (H 128 unless a test widens it)
+    return init_expert_weights(make_cfg(2, hidden_size=hidden_size), seed=0)
 
 
 # ---- the two implementations --------------------------------------------------------------
@@ -118,7 +118,7 @@ class Sim:
         self.cfg, self.impl = cfg, impl
         self.world = LocalWorld.create(cfg, device)
         R, L = cfg.world_size, cfg.experts_per_rank
-        w = expert_weights()
+        w = expert_weights(cfg.hidden_size)
         self.experts = []
         for r in range(R):
             lw = w.local(r, L)
@@ -180,7 +180,7 @@ class Round:
 
     @functools.cached_property
     def ref_ys(self) -> list[torch.Tensor]:
-        return reference.experts_world(self.cfg, self.ref_dispatch, expert_weights())
+        return reference.experts_world(self.cfg, self.ref_dispatch, expert_weights(self.cfg.hidden_size))
 
     @functools.cached_property
     def ref_layer(self) -> list[torch.Tensor]:
@@ -190,7 +190,7 @@ class Round:
 
     @functools.cached_property
     def ref_moe(self) -> list[torch.Tensor]:
-        return reference.moe_forward(self.cfg, self.xs, self.ids, self.weights, expert_weights())
+        return reference.moe_forward(self.cfg, self.xs, self.ids, self.weights, expert_weights(self.cfg.hidden_size))
 
     @functools.cached_property
     def ref_slots(self) -> list[torch.Tensor]:
@@ -423,6 +423,18 @@ def test_three_rounds(R, dispatch, combine, align):
             for ws in sim.world.workspaces:
                 assert ws.epochs.tolist() == [rnd + 1, rnd + 1]
                 assert ws.counters.tolist() == [0, 0, 0, 0] and int(ws.status.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dispatch", ["bf16", "fp8", "nvfp4"])
+def test_rows_in_several_channel_steps(monkeypatch, dispatch):
+    # a GPU program walks its rows a step of channels at a time (fp8 and nvfp4 rows load the
+    # next step while this one quantises); the interpreter takes whole rows in one step, which
+    # would hide a step mixed up: here 128 channels per step (fp8's scale group), 4 per row
+    from ray_ep.kernels import _util
+
+    monkeypatch.setattr(_util, "tile_shape", lambda H, device, multiple=8: (16, max(multiple, 128)))
+    cfg = make_cfg(2, dispatch, "bf16", 1, hidden_size=512)
+    run_round(cfg, sims_for(cfg), make_round(cfg, tokens_for(2, 7), seed=77, routing="skewed", mask=0.1))
 
 
 @pytest.mark.parametrize("R", [2, 4])
