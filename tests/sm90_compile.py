@@ -109,8 +109,9 @@ def _record(names: list[tuple], body) -> list[tuple]:
 
 def record_nvfp4_format_launches() -> list[tuple]:
     """(kernel, args, meta, options) of the nvfp4 quantise and dequantise kernels and of the
-    grouped GEMM (bf16 weights) over the rows they decode, with the GPU's tile (its launchers
-    run with the kernels replaced by recorders: nothing is launched)."""
+    grouped GEMM (bf16 weights) over nvfp4 rows, with the GPU's tile: the pass that decodes
+    its real rows to bf16 and the bf16 GEMM (its launchers run with the kernels replaced by
+    recorders: nothing is launched)."""
     from ray_ep.kernels import grouped_gemm, nvfp4
     from ray_ep.nvfp4 import quantize_nvfp4_torch
 
@@ -121,13 +122,12 @@ def record_nvfp4_format_launches() -> list[tuple]:
         nvfp4.quantize_nvfp4(x_TH=x)  # the GPU's row tile (no TRITON_INTERPRET here)
         nvfp4.dequantize_nvfp4(q_TP=q, scales_TB=s)
         os.environ["TRITON_INTERPRET"] = "1"  # the GEMM launcher's CPU-tensor check; nothing runs
-        # with bf16 weights the GEMM takes nvfp4 rows decoded by the dequantise kernel: bf16 rows
-        grouped_gemm.grouped_gemm(a=x, b_LDO=torch.zeros(2, H, O, dtype=torch.bfloat16),
+        grouped_gemm.grouped_gemm(a=q, a_scales=s, b_LDO=torch.zeros(2, H, O, dtype=torch.bfloat16),
                                   row_offsets_L1=torch.tensor([0, rows // 2, rows], dtype=torch.int32),
                                   num_tokens_L=torch.tensor([rows // 2, rows // 2], dtype=torch.int32))
 
     return _record([(nvfp4, "_quantize_nvfp4_kernel"), (nvfp4, "_dequantize_nvfp4_kernel"),
-                    (grouped_gemm, "_grouped_gemm_kernel")], body)
+                    (grouped_gemm, "_convert_rows_kernel"), (grouped_gemm, "_grouped_gemm_kernel")], body)
 
 
 def record_fp8_expert_launches() -> list[tuple]:
@@ -163,7 +163,7 @@ def record_fp8_expert_launches() -> list[tuple]:
 
     check = activation._check_launchable
     try:
-        return _record([(grouped_gemm, "_grouped_gemm_kernel"), (grouped_gemm, "_quantize_rows_kernel"),
+        return _record([(grouped_gemm, "_grouped_gemm_kernel"), (grouped_gemm, "_convert_rows_kernel"),
                         (activation, "_swiglu_kernel")], body)
     finally:
         activation._check_launchable = check

@@ -18,7 +18,8 @@ from ray_ep.config import EPConfig, nvfp4_row_bytes  # noqa: E402
 from ray_ep.fp8 import quantize_fp8_blocks_torch  # noqa: E402
 from ray_ep.kernels.activation import swiglu, swiglu_torch  # noqa: E402
 from ray_ep.kernels.experts import LocalExperts  # noqa: E402
-from ray_ep.kernels.grouped_gemm import grouped_gemm, grouped_gemm_torch, quantize_rows_fp8  # noqa: E402
+from ray_ep.kernels.grouped_gemm import (decode_rows_bf16, grouped_gemm, grouped_gemm_torch,  # noqa: E402
+                                         quantize_rows_fp8)
 from ray_ep.inputs import make_inputs  # noqa: E402
 from ray_ep.weights import init_expert_weights  # noqa: E402
 
@@ -395,6 +396,40 @@ def test_quantize_rows_fp8_quantises_each_real_row_once(a_kind):
     with pytest.raises(ValueError, match="stride 1 along their last dim"):
         quantize_rows_fp8(a=a.to(device), a_scales=a_s.to(device) if a_s is not None else None, row_offsets_L1=offsets,
                           num_tokens_L=num_tokens, a_row_ids=ids.to(device), out=(q.to(device), bad_scales))
+
+
+@pytest.mark.parametrize("a_kind", ["fp8", "nvfp4"])
+def test_decode_rows_bf16_decodes_each_real_row_once(a_kind):
+    # the pass before a bf16-weight GEMM over fp8 or nvfp4 rows: every row a real expert-major
+    # row reads gets bf16(value * scale) at its own index, as the dequantise kernels give it;
+    # rows no real row reads (a receive buffer's spare capacity), stale and -1 ids: untouched
+    gen = torch.Generator().manual_seed(24)
+    counts = [5, 0, 40, 3]
+    offsets, num_tokens, real = make_layout(counts, 8, 5)
+    M, rows, D = real.shape[0], 70, 256
+    x = (torch.randn(rows, D, generator=gen) * 10.0 ** torch.randint(-2, 3, (rows, 1), generator=gen)).to(torch.bfloat16)
+    a, a_s = reference.quantize_fp8(x) if a_kind == "fp8" else reference.quantize_nvfp4(x)
+    want = (reference.dequantize_fp8(a, a_s) if a_kind == "fp8" else reference.dequantize_nvfp4(a, a_s)).to(torch.bfloat16)
+    ids = torch.randint(0, 60, (M,), generator=gen, dtype=torch.int32)  # padding: stale ids < 60
+    ids[real.cpu()] = torch.randint(0, 40, (int(real.sum()),), generator=gen, dtype=torch.int32)
+    ids[offsets[2].item()] = ids[offsets[0].item()] = 3  # the same row under two experts
+    ids[offsets[2].item() + 1] = -1  # a real slot that reads nothing
+    read = torch.zeros(rows, dtype=torch.bool)
+    read[ids[real.cpu() & (ids >= 0)].long()] = True
+    out = torch.full((rows, D), 7.0, dtype=torch.bfloat16, device=device)
+    got = decode_rows_bf16(a=a.to(device), a_scales=a_s.to(device), row_offsets_L1=offsets, num_tokens_L=num_tokens,
+                           a_row_ids=ids.to(device), out=out)
+    assert got is out
+    out = out.cpu()
+    # nvfp4 values are exact in bf16; fp8 * scale rounds, and the CPU interpreter truncates
+    # fp32 -> bf16 where GPUs round to nearest: one bf16 ulp
+    tol = dict(atol=0.0, rtol=0.0 if a_kind == "nvfp4" else 2**-7)
+    torch.testing.assert_close(out[read], want[read], **tol)
+    assert bool((out[~read] == 7.0).all()), "an unread row was written"
+    # without row ids: expert-major row m is a[m]; a new tensor
+    new = decode_rows_bf16(a=a[:M].to(device), a_scales=a_s[:M].to(device), row_offsets_L1=offsets,
+                           num_tokens_L=num_tokens).cpu()
+    torch.testing.assert_close(new[real.cpu()], want[:M][real.cpu()], **tol)
 
 
 def test_grouped_gemm_fp8_weights_persistent_grid_and_no_tokens():

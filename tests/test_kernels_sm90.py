@@ -47,8 +47,9 @@ def test_single_node_kernels_compile(dtype):
     # small-batch layout and the one from block bases), the combine's three twice (a token per
     # SM or fewer takes wider steps); all of it again under an SM budget but the dispatch's
     # receive (the same tile) and the combine's small-batch step; nvfp4 adds its quantise and
-    # dequantise kernels and the grouped GEMM over the rows the latter decodes
-    assert len(lines) == (21 if dtype == "nvfp4" else 18), out
+    # dequantise kernels, and the pass that decodes nvfp4 rows for a bf16-weight grouped GEMM
+    # and that GEMM
+    assert len(lines) == (22 if dtype == "nvfp4" else 18), out
     assert all("nvshmem=False" in line for line in lines), out
     # rows leave in 8- or 16-byte vector stores, never byte by byte: the peer pointers carry
     # their 16-byte alignment (before they did not, and every bf16 row went out in 2-byte
@@ -75,7 +76,7 @@ def test_fp8_expert_kernels_compile_to_fp8_tensor_cores():
     out = _compile("--fp8-experts")
     lines = [line for line in out.splitlines() if line.startswith("OK")]
     gemms = [line for line in lines if "_grouped_gemm_kernel" in line]
-    quantise = [line for line in lines if "_quantize_rows_kernel" in line]  # bf16 and nvfp4 rows
+    quantise = [line for line in lines if "_convert_rows_kernel" in line]  # bf16 and nvfp4 rows
     # the GEMM's decode and prefill tiles (every variant reads fp8 rows: others are quantised first)
     assert len(lines) == 6 and len(gemms) == 2 and len(quantise) == 2, out
     assert all("wgmma=e4m3" in line for line in gemms), out

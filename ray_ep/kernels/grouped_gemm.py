@@ -14,9 +14,8 @@ An fp8 ``a`` (e4m3) comes with ``a_scales`` [rows of a, G] fp32: ``A = bf16(fp8 
 nvfp4 ``a`` is uint8 [rows of a, D / 2], two e2m1 codes per byte, with ``a_scales`` [rows of a,
 D / 16] float8_e4m3fn (both may be strided views of the dispatch's wire rows): ``A =
 bf16(e2m1(code) * scale)``, exact (per-tensor scale 1, see :mod:`ray_ep.nvfp4`). With bf16
-weights such rows are decoded to bf16 once, each row of ``a`` in one pass
-(:func:`~ray_ep.kernels.quant.dequantize_fp8`, :func:`~ray_ep.kernels.nvfp4.dequantize_nvfp4`),
-not in the A load of every output tile: that redid it for each of the 16 column tiles of
+weights the real rows are decoded to bf16 once, in one pass (:func:`decode_rows_bf16`), not in
+the A load of every output tile: that redid it for each of the 16 column tiles of
 deepseek-v3's gate_up (2x H200, prefill with fp8 dispatch: GEMMs 6490 us against 5265 for bf16
 rows).
 
@@ -55,8 +54,8 @@ from ..nvfp4 import dequantize_nvfp4_torch
 from ..validation import check_tensor
 from ._util import interpreted, num_sms as sm_count
 from ..fp8 import quantize_fp8_torch
-from .nvfp4 import dequantize_nvfp4, unpack_nvfp4_tile
-from .quant import dequantize_fp8, quantize_group
+from .nvfp4 import unpack_nvfp4_tile
+from .quant import quantize_group
 
 A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.uint8)  # uint8: nvfp4, two codes per byte
 B_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
@@ -158,12 +157,14 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
-def _quantize_rows_kernel(
+def _convert_rows_kernel(
     a_ptr, a_scales_ptr, a_row_ids_ptr, q_ptr, q_scales_ptr, row_offsets_ptr, num_tokens_ptr, L,
     stride_am, stride_ad, stride_sm, stride_sd, stride_qm, stride_qsm,
-    D: tl.constexpr, HAS_ROW_IDS: tl.constexpr, NVFP4: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP_D: tl.constexpr,
+    D: tl.constexpr, HAS_ROW_IDS: tl.constexpr, IN_FP8: tl.constexpr, NVFP4: tl.constexpr, OUT_FP8: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_D: tl.constexpr,
 ):
+    """Each real row of ``a`` (read through the row ids), decoded to fp32, stored at its own
+    row of q: quantised to fp8 with its scales (OUT_FP8) or as bf16."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     experts = tl.arange(0, BLOCK_L)
@@ -185,22 +186,30 @@ def _quantize_rows_kernel(
             src = m.to(tl.int64)
         ok = real & (src >= 0)
         for d0 in range(0, D, GROUP_D):
+            # D is a multiple of 128 for fp8 rows, of 16 only for nvfp4 rows decoded to bf16
+            cols = d0 + tl.arange(0, GROUP_D)
+            cm = ok[:, None] & (cols[None, :] < D)
             if NVFP4:
                 pc = d0 // 2 + tl.arange(0, GROUP_D // 2)
-                packed = tl.load(a_ptr + src[:, None] * stride_am + pc[None, :] * stride_ad, mask=ok[:, None], other=0)
+                packed = tl.load(a_ptr + src[:, None] * stride_am + pc[None, :] * stride_ad,
+                                 mask=ok[:, None] & (pc[None, :] < D // 2), other=0)
                 bc = d0 // 16 + tl.arange(0, GROUP_D // 16)
-                bits = tl.load(a_scales_ptr + src[:, None] * stride_sm + bc[None, :] * stride_sd, mask=ok[:, None],
-                               other=0)
+                bits = tl.load(a_scales_ptr + src[:, None] * stride_sm + bc[None, :] * stride_sd,
+                               mask=ok[:, None] & (bc[None, :] < D // 16), other=0)
                 x = unpack_nvfp4_tile(packed, bits, 1.0)
             else:
-                cols = d0 + tl.arange(0, GROUP_D)
-                x = tl.load(a_ptr + src[:, None] * stride_am + cols[None, :] * stride_ad, mask=ok[:, None],
+                x = tl.load(a_ptr + src[:, None] * stride_am + cols[None, :] * stride_ad, mask=cm,
                             other=0.0).to(tl.float32)
-            q, qs = quantize_group(x, 1)
-            cols = d0 + tl.arange(0, GROUP_D)
+                if IN_FP8:
+                    x *= tl.load(a_scales_ptr + src * stride_sm + (d0 // GROUP_D) * stride_sd, mask=ok,
+                                 other=0.0)[:, None]
             # a row that two local experts share is written twice, with the same bytes
-            tl.store(q_ptr + src[:, None] * stride_qm + cols[None, :], q, mask=ok[:, None])
-            tl.store(q_scales_ptr + src * stride_qsm + d0 // GROUP_D, tl.reshape(qs, (BLOCK_R,)), mask=ok)
+            if OUT_FP8:
+                q, qs = quantize_group(x, 1)
+                tl.store(q_ptr + src[:, None] * stride_qm + cols[None, :], q, mask=cm)
+                tl.store(q_scales_ptr + src * stride_qsm + d0 // GROUP_D, tl.reshape(qs, (BLOCK_R,)), mask=ok)
+            else:
+                tl.store(q_ptr + src[:, None] * stride_qm + cols[None, :], x.to(tl.bfloat16), mask=cm)
         tile += num_programs
 
 
@@ -233,22 +242,49 @@ def quantize_rows_fp8(*, a: torch.Tensor, a_scales: torch.Tensor | None, row_off
     if q.stride(1) != 1 or qs.stride(1) != 1:
         raise EPInputError("quantize_rows_fp8: out[0] and out[1] need contiguous rows (stride 1 along their "
                            "last dim)")
+    _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, q, qs)
+    return q, qs
+
+
+def decode_rows_bf16(*, a: torch.Tensor, a_scales: torch.Tensor, row_offsets_L1: torch.Tensor,
+                     num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The real rows of a grouped GEMM's fp8 or nvfp4 ``a`` (with its ``a_scales``) decoded to
+    bf16 (``bf16(fp8 * scale)``, ``bf16(e2m1(code) * scale)``), each at its own row of ``out``
+    [rows of a, D] bf16 (a new tensor when None; rows that no real row reads stay as they were);
+    no host sync. Only the real rows: a receive buffer holds capacity for far more rows than a
+    decode step fills. The bf16 grouped GEMM then reads ``out`` through the same ``a_row_ids``."""
+    D = 2 * a.shape[1] if a.dtype == torch.uint8 else a.shape[1]
+    if out is None:
+        out = torch.empty(a.shape[0], D, dtype=torch.bfloat16, device=a.device)
+    check_tensor("out", out, shape=(a.shape[0], D), dtypes=(torch.bfloat16,), device=a.device, inner_contiguous=True)
+    _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, out, None)
+    return out
+
+
+def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, q, qs) -> None:
+    """Launch :func:`_convert_rows_kernel`: into fp8 rows ``q`` and scales ``qs``, or into bf16
+    rows ``q`` when ``qs`` is None."""
+    nvfp4 = a.dtype == torch.uint8
+    rows = a.shape[0]
     M = a_row_ids.shape[0] if a_row_ids is not None else rows
     L = num_tokens_L.shape[0]
     if M == 0 or rows == 0:
-        return q, qs
+        return
     block_r = 32
     tiles = triton.cdiv(M, block_r)
     grid = (max(1, min(tiles, 8 * sm_count(a.device))),)
-    scales = a_scales.view(torch.uint8) if nvfp4 else a  # dummy pointer for bf16
-    _quantize_rows_kernel[grid](
+    scales = a_scales.view(torch.uint8) if nvfp4 else a_scales if a_scales is not None else a  # a: a dummy pointer
+    q_scales = qs if qs is not None else q  # dummy pointer for bf16 rows
+    _convert_rows_kernel[grid](
         a_ptr=a, a_scales_ptr=scales, a_row_ids_ptr=a_row_ids.contiguous() if a_row_ids is not None else num_tokens_L,
-        q_ptr=q, q_scales_ptr=qs, row_offsets_ptr=row_offsets_L1.contiguous(), num_tokens_ptr=num_tokens_L.contiguous(),
-        L=L, stride_am=a.stride(0), stride_ad=a.stride(1), stride_sm=scales.stride(0), stride_sd=scales.stride(1),
-        stride_qm=q.stride(0), stride_qsm=qs.stride(0), D=D, HAS_ROW_IDS=a_row_ids is not None, NVFP4=nvfp4,
+        q_ptr=q, q_scales_ptr=q_scales, row_offsets_ptr=row_offsets_L1.contiguous(),
+        num_tokens_ptr=num_tokens_L.contiguous(), L=L, stride_am=a.stride(0), stride_ad=a.stride(1),
+        stride_sm=scales.stride(0), stride_sd=scales.stride(1), stride_qm=q.stride(0), stride_qsm=q_scales.stride(0),
+        D=2 * a.shape[1] if nvfp4 else a.shape[1], HAS_ROW_IDS=a_row_ids is not None,
+        IN_FP8=a.dtype == torch.float8_e4m3fn, NVFP4=nvfp4, OUT_FP8=qs is not None,
         BLOCK_L=max(2, triton.next_power_of_2(L)), BLOCK_R=block_r, GROUP_D=FP8_GROUP, num_warps=4,
     )
-    return q, qs
 
 
 def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: int = 1 << 30) -> dict[str, int]:
@@ -393,10 +429,9 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     if b_fp8 and a.dtype != torch.float8_e4m3fn:  # fp8 tensor cores take fp8 rows: quantise once
         a, a_scales = quantize_rows_fp8(a=a, a_scales=a_scales, row_offsets_L1=row_offsets_L1,
                                         num_tokens_L=num_tokens_L, a_row_ids=a_row_ids, out=fp8_rows)
-    elif not b_fp8 and a.dtype == torch.float8_e4m3fn:  # bf16 tensor cores take bf16 rows: decode once
-        a, a_scales = dequantize_fp8(q_TH=a.contiguous(), scales_TG=a_scales.contiguous()), None
-    elif not b_fp8 and a.dtype == torch.uint8:
-        a, a_scales = dequantize_nvfp4(q_TP=a, scales_TB=a_scales, global_scale=1.0), None
+    elif not b_fp8 and a.dtype != torch.bfloat16:  # bf16 tensor cores take bf16 rows: decode once
+        a, a_scales = decode_rows_bf16(a=a, a_scales=a_scales, row_offsets_L1=row_offsets_L1,
+                                       num_tokens_L=num_tokens_L, a_row_ids=a_row_ids), None
     cfg = _launch_config(dev, b_fp8=b_fp8, rows_per_expert=M // L)
     bm, bo = cfg["BLOCK_M"], cfg["BLOCK_O"]
     # sum_e ceil(n_e / BM) <= (sum_e n_e + L (BM - 1)) / BM, and every tile holds >= 1 row
