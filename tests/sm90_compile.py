@@ -133,7 +133,8 @@ def record_nvfp4_format_launches() -> list[tuple]:
 def record_fp8_expert_launches() -> list[tuple]:
     """(kernel, args, meta, options) of the expert kernels with fp8 weights, GPU tiles: the
     grouped GEMM over fp8 rows (as they come from fp8 dispatch), bf16 rows and nvfp4 rows
-    (both quantised to fp8 rows first, by the row quantisation kernel), with K-major fp8
+    (both quantised to fp8 rows first, by the row quantisation kernel: per expert row, or per
+    receive region), with K-major fp8
     weights and block scales; and the SwiGLU with fp8 output (plus its bf16 form)."""
     from ray_ep.fp8 import quantize_fp8_blocks_torch, quantize_fp8_torch
     from ray_ep.kernels import activation, grouped_gemm
@@ -151,6 +152,11 @@ def record_fp8_expert_launches() -> list[tuple]:
                         num_tokens_L=torch.tensor([rows // 2, rows // 2], dtype=torch.int32))
             for a, a_s in ((x, None), quantize_fp8_torch(x), quantize_nvfp4_torch(x))[:3 if rows == 64 else 2]:
                 grouped_gemm.grouped_gemm(a=a, a_scales=a_s, b_LDO=b, b_scales=s, **segs)
+        # bf16 rows of a receive buffer (2 regions of 32 rows): quantised region by region
+        grouped_gemm.grouped_gemm(a=x[:64], b_LDO=b, b_scales=s, a_row_ids=torch.zeros(64, dtype=torch.int32),
+                                  a_regions=(torch.tensor([32, 32], dtype=torch.int32), 32),
+                                  row_offsets_L1=torch.tensor([0, 32, 64], dtype=torch.int32),
+                                  num_tokens_L=torch.tensor([32, 32], dtype=torch.int32))
         F = 256
         h = torch.zeros(rows, 2 * F, dtype=torch.bfloat16)
         ids = torch.zeros(rows, dtype=torch.int32)

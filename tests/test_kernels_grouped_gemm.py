@@ -432,6 +432,57 @@ def test_decode_rows_bf16_decodes_each_real_row_once(a_kind):
     torch.testing.assert_close(new[real.cpu()], want[:M][real.cpu()], **tol)
 
 
+@pytest.mark.parametrize("a_kind,b_kind", [("bf16", "fp8"), ("nvfp4", "fp8"), ("fp8", "bf16"), ("nvfp4", "bf16")])
+def test_conversion_over_receive_regions_converts_each_received_row(a_kind, b_kind):
+    # a_regions: a receive buffer of R regions of n rows, region s holding counts[s] rows at its
+    # start; the pass before the GEMM converts those rows (once each, however many experts read
+    # them) and nothing past a region's count; the GEMM's output is the same as without it
+    gen = torch.Generator().manual_seed(25)
+    R, n, D, O = 3, 24, 256, 128
+    counts = torch.tensor([7, 0, 24], dtype=torch.int32)
+    received = torch.zeros(R * n, dtype=torch.bool)
+    for src, c in enumerate(counts.tolist()):
+        received[src * n:src * n + c] = True
+    x = (torch.randn(R * n, D, generator=gen) * 10.0 ** torch.randint(-2, 3, (R * n, 1), generator=gen)).to(torch.bfloat16)
+    a, a_s = {"bf16": (x, None), "fp8": reference.quantize_fp8(x), "nvfp4": reference.quantize_nvfp4(x)}[a_kind]
+    offsets, num_tokens, real = make_layout([20, 0, 31], 8, 3)
+    ids = torch.full((real.shape[0],), -1, dtype=torch.int32)
+    # every received row read by one expert or two (some twice), in random order
+    got_rows = received.nonzero().flatten()
+    ids[real.cpu()] = got_rows[torch.randint(0, got_rows.numel(), (int(real.sum()),), generator=gen)].int()
+    ids[real.cpu().nonzero().flatten()[:got_rows.numel()]] = got_rows.int()
+    regions = (counts.to(device), n)
+    dev_a, dev_s = a.to(device), a_s.to(device) if a_s is not None else None
+    segs = dict(row_offsets_L1=offsets, num_tokens_L=num_tokens, a_row_ids=ids.to(device))
+    if b_kind == "fp8":
+        q = torch.full((R * n, D), 7.0).to(torch.float8_e4m3fn).to(device)
+        qs = torch.full((R * n, D // 128), -1.0, device=device)
+        quantize_rows_fp8(a=dev_a, a_scales=dev_s, out=(q, qs), a_regions=regions, **segs)
+        rows = reference.dequantize_nvfp4(a, a_s).to(torch.bfloat16) if a_kind == "nvfp4" else x
+        want_q, want_s = reference.quantize_fp8(rows)
+        q, qs = q.cpu(), qs.cpu()
+        assert torch.equal(q[received].view(torch.uint8), want_q[received].view(torch.uint8))
+        assert torch.equal(qs[received], want_s[received])
+        assert bool((q[~received].float() == 7.0).all()) and bool((qs[~received] == -1.0).all()), \
+            "a row past a region's count was written"
+        w, ws, _ = fp8_weights(3, D, O, gen)
+        kw = dict(b_LDO=w, b_scales=ws)
+    else:
+        out = torch.full((R * n, D), 7.0, dtype=torch.bfloat16, device=device)
+        decode_rows_bf16(a=dev_a, a_scales=dev_s, out=out, a_regions=regions, **segs)
+        want = (reference.dequantize_fp8(a, a_s) if a_kind == "fp8" else reference.dequantize_nvfp4(a, a_s))
+        out = out.cpu()
+        torch.testing.assert_close(out[received], want.to(torch.bfloat16)[received], atol=0.0,
+                                   rtol=0.0 if a_kind == "nvfp4" else 2**-7)
+        assert bool((out[~received] == 7.0).all()), "a row past a region's count was written"
+        kw = dict(b_LDO=(torch.randn(3, D, O, generator=gen) * 0.05).to(torch.bfloat16).to(device))
+    by_region = grouped_gemm(a=dev_a, a_scales=dev_s, a_regions=regions, **segs, **kw)
+    by_row = grouped_gemm(a=dev_a, a_scales=dev_s, **segs, **kw)
+    assert torch.equal(by_region[real], by_row[real])
+    with pytest.raises(ValueError, match="must fit in the 72 rows of a"):
+        grouped_gemm(a=dev_a, a_scales=dev_s, a_regions=(counts.to(device), n + 1), **segs, **kw)
+
+
 def test_grouped_gemm_fp8_weights_persistent_grid_and_no_tokens():
     gen = torch.Generator().manual_seed(22)
     offsets, num_tokens, real = make_layout([30, 0, 70, 9], 16, 0)

@@ -93,6 +93,7 @@ class ExpertScratch:
     y_MH: torch.Tensor
     a_scales_MG: torch.Tensor | None = None
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+    region_rows: int = 0  # rows per source in the receive buffer (max_tokens_per_rank); 0: unknown
 
     @classmethod
     def allocate(cls, cfg: EPConfig, device: torch.device | str, rows: int | None = None) -> "ExpertScratch":
@@ -107,7 +108,8 @@ class ExpertScratch:
         return cls(torch.zeros(M, 2 * Fi, dtype=torch.bfloat16, device=device),
                    torch.zeros(M, Fi, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=device),
                    torch.zeros(M, H, dtype=torch.bfloat16, device=device),
-                   torch.ones(M, Fi // FP8_GROUP, dtype=torch.float32, device=device) if fp8 else None, x_fp8)
+                   torch.ones(M, Fi // FP8_GROUP, dtype=torch.float32, device=device) if fp8 else None, x_fp8,
+                   cfg.max_tokens_per_rank)
 
     @property
     def rows(self) -> int:
@@ -163,8 +165,13 @@ def _run(gemm, act, handle: DispatchHandle, experts: LocalExperts, scratch: Expe
     x_fp8 = scratch.x_fp8
     if x_fp8 is not None and x_fp8[0].shape[0] != handle.x_rows.shape[0]:
         x_fp8 = None  # a receive of another row count (a packed one): the GEMM allocates its own
+    regions = None
+    if scratch.region_rows and handle.x_rows.shape[0] == r.recv_counts_R.shape[0] * scratch.region_rows:
+        # the receive buffer: rows to convert for the other tensor-core dtype go once each, not
+        # once per local expert (a packed receive this size has every region full: the same rows)
+        regions = (r.recv_counts_R, scratch.region_rows)
     gemm(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=row_ids, b_LDO=experts.w_gate_up_LHF2,
-         b_scales=experts.w_gate_up_scales, out=h, num_sms=num_sms, fp8_rows=x_fp8, **segs)
+         b_scales=experts.w_gate_up_scales, out=h, num_sms=num_sms, fp8_rows=x_fp8, a_regions=regions, **segs)
     act(h_M2F=h, row_ids_M=row_ids, total_rows=r.row_offsets_L1[-1:], out=a, out_scales=a_scales)
     gemm(a=a, a_scales=a_scales, b_LDO=experts.w_down_LFH, b_scales=experts.w_down_scales, out=y, num_sms=num_sms,
          **segs)

@@ -158,33 +158,50 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _convert_rows_kernel(
-    a_ptr, a_scales_ptr, a_row_ids_ptr, q_ptr, q_scales_ptr, row_offsets_ptr, num_tokens_ptr, L,
+    a_ptr, a_scales_ptr, a_row_ids_ptr, q_ptr, q_scales_ptr, row_offsets_ptr, num_tokens_ptr, L, N,
     stride_am, stride_ad, stride_sm, stride_sd, stride_qm, stride_qsm,
-    D: tl.constexpr, HAS_ROW_IDS: tl.constexpr, IN_FP8: tl.constexpr, NVFP4: tl.constexpr, OUT_FP8: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_D: tl.constexpr,
+    D: tl.constexpr, HAS_ROW_IDS: tl.constexpr, BY_REGION: tl.constexpr, IN_FP8: tl.constexpr,
+    NVFP4: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_D: tl.constexpr,
 ):
-    """Each real row of ``a`` (read through the row ids), decoded to fp32, stored at its own
-    row of q: quantised to fp8 with its scales (OUT_FP8) or as bf16."""
+    """Each real row of ``a`` decoded to fp32, stored at its own row of q: quantised to fp8
+    with its scales (OUT_FP8) or as bf16. Real rows: those the expert-major rows read (through
+    the row ids), or with BY_REGION the rows of L receive regions of N rows
+    (``num_tokens_ptr`` their counts: region s holds rows [s N, s N + counts[s])), each once."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    experts = tl.arange(0, BLOCK_L)
-    in_L = experts < L
-    seg_ends = tl.load(row_offsets_ptr + 1 + experts, mask=in_L, other=2147483647)
-    real_ends = (tl.load(row_offsets_ptr + experts, mask=in_L, other=0)
-                 + tl.load(num_tokens_ptr + experts, mask=in_L, other=0))
-    total = tl.load(row_offsets_ptr + L)
+    groups = tl.arange(0, BLOCK_L)  # experts, or receive regions
+    in_L = groups < L
+    if BY_REGION:
+        counts = tl.load(num_tokens_ptr + groups, mask=in_L, other=0)
+        tiles_L = (counts + BLOCK_R - 1) // BLOCK_R
+        tile_ends_L = tl.cumsum(tiles_L, axis=0)
+        num_tiles = tl.sum(tiles_L, axis=0)
+    else:
+        seg_ends = tl.load(row_offsets_ptr + 1 + groups, mask=in_L, other=2147483647)
+        real_ends = (tl.load(row_offsets_ptr + groups, mask=in_L, other=0)
+                     + tl.load(num_tokens_ptr + groups, mask=in_L, other=0))
+        total = tl.load(row_offsets_ptr + L)
+        num_tiles = (total + BLOCK_R - 1) // BLOCK_R
     tile = pid
-    # persistent over row tiles up to the last segment's end (a bound that lives on the device)
-    while tile * BLOCK_R < total:
-        m = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-        e = tl.sum((seg_ends[None, :] <= m[:, None]).to(tl.int32), axis=1)  # expert of row m
-        real_end = tl.sum(tl.where(experts[None, :] == e[:, None], real_ends[None, :], 0), axis=1)
-        real = (m < total) & (m < real_end)
-        if HAS_ROW_IDS:
-            src = tl.load(a_row_ids_ptr + m, mask=real, other=-1).to(tl.int64)
+    # persistent over the row tiles (a bound that lives on the device)
+    while tile < num_tiles:
+        if BY_REGION:
+            s = tl.sum((tile_ends_L <= tile).to(tl.int32), axis=0)  # regions with 0 tiles are skipped
+            this = groups == s
+            i = ((tile - tl.sum(tl.where(this, tile_ends_L - tiles_L, 0), axis=0)) * BLOCK_R
+                 + tl.arange(0, BLOCK_R))
+            ok = i < tl.sum(tl.where(this, counts, 0), axis=0)
+            src = s.to(tl.int64) * N + i
         else:
-            src = m.to(tl.int64)
-        ok = real & (src >= 0)
+            m = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+            e = tl.sum((seg_ends[None, :] <= m[:, None]).to(tl.int32), axis=1)  # expert of row m
+            real_end = tl.sum(tl.where(groups[None, :] == e[:, None], real_ends[None, :], 0), axis=1)
+            real = (m < total) & (m < real_end)
+            if HAS_ROW_IDS:
+                src = tl.load(a_row_ids_ptr + m, mask=real, other=-1).to(tl.int64)
+            else:
+                src = m.to(tl.int64)
+            ok = real & (src >= 0)
         for d0 in range(0, D, GROUP_D):
             # D is a multiple of 128 for fp8 rows, of 16 only for nvfp4 rows decoded to bf16
             cols = d0 + tl.arange(0, GROUP_D)
@@ -215,7 +232,8 @@ def _convert_rows_kernel(
 
 def quantize_rows_fp8(*, a: torch.Tensor, a_scales: torch.Tensor | None, row_offsets_L1: torch.Tensor,
                       num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      a_regions: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The real rows of a grouped GEMM's ``a`` (bf16, or nvfp4 with its ``a_scales``) quantised to
     fp8 e4m3 with one fp32 scale per 128 channels, as :func:`ray_ep.fp8.quantize_fp8_torch`
     would (nvfp4 rows decoded first, exactly); no host sync.
@@ -223,7 +241,8 @@ def quantize_rows_fp8(*, a: torch.Tensor, a_scales: torch.Tensor | None, row_off
     Real rows: ``a[a_row_ids[m]]`` (or ``a[m]``) for the expert-major rows m that hold a token;
     each lands at its own row of ``out = (q [rows of a, D] float8_e4m3fn, scales [rows of a,
     D / 128] fp32)`` (new tensors when None; rows that no real row reads stay as they were).
-    The grouped GEMM then reads ``q`` through the same ``a_row_ids``.
+    The grouped GEMM then reads ``q`` through the same ``a_row_ids``. ``a_regions``: see
+    :func:`grouped_gemm` (each receive row once, however many local experts read it).
 
     Example (a bf16 [4, 128], rows 0 and 2 real)::
 
@@ -242,32 +261,46 @@ def quantize_rows_fp8(*, a: torch.Tensor, a_scales: torch.Tensor | None, row_off
     if q.stride(1) != 1 or qs.stride(1) != 1:
         raise EPInputError("quantize_rows_fp8: out[0] and out[1] need contiguous rows (stride 1 along their "
                            "last dim)")
-    _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, q, qs)
+    _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, a_regions, q, qs)
     return q, qs
 
 
 def decode_rows_bf16(*, a: torch.Tensor, a_scales: torch.Tensor, row_offsets_L1: torch.Tensor,
                      num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, a_regions: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """The real rows of a grouped GEMM's fp8 or nvfp4 ``a`` (with its ``a_scales``) decoded to
     bf16 (``bf16(fp8 * scale)``, ``bf16(e2m1(code) * scale)``), each at its own row of ``out``
     [rows of a, D] bf16 (a new tensor when None; rows that no real row reads stay as they were);
     no host sync. Only the real rows: a receive buffer holds capacity for far more rows than a
-    decode step fills. The bf16 grouped GEMM then reads ``out`` through the same ``a_row_ids``."""
+    decode step fills. The bf16 grouped GEMM then reads ``out`` through the same ``a_row_ids``.
+    ``a_regions``: see :func:`grouped_gemm`."""
     D = 2 * a.shape[1] if a.dtype == torch.uint8 else a.shape[1]
     if out is None:
         out = torch.empty(a.shape[0], D, dtype=torch.bfloat16, device=a.device)
     check_tensor("out", out, shape=(a.shape[0], D), dtypes=(torch.bfloat16,), device=a.device, inner_contiguous=True)
-    _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, out, None)
+    _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, a_regions, out, None)
     return out
 
 
-def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, q, qs) -> None:
+def _check_regions(a_regions, rows: int, device: torch.device) -> None:
+    counts, n = a_regions
+    check_tensor("a_regions[0]", counts, dims=1, dtypes=(torch.int32,), device=device)
+    if not isinstance(n, int) or n < 0 or counts.shape[0] * n > rows:
+        raise EPInputError(f"a_regions = (counts [R], n): R = {counts.shape[0]} regions of n = {n!r} rows must fit "
+                           f"in the {rows} rows of a (n a non-negative int)")
+
+
+def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, a_regions, q, qs) -> None:
     """Launch :func:`_convert_rows_kernel`: into fp8 rows ``q`` and scales ``qs``, or into bf16
-    rows ``q`` when ``qs`` is None."""
+    rows ``q`` when ``qs`` is None; over the expert-major rows, or the receive regions."""
     nvfp4 = a.dtype == torch.uint8
     rows = a.shape[0]
-    M = a_row_ids.shape[0] if a_row_ids is not None else rows
+    if a_regions is not None:
+        _check_regions(a_regions, rows, a.device)
+        num_tokens_L, region_rows = a_regions[0], a_regions[1]
+        M = num_tokens_L.shape[0] * region_rows
+    else:
+        M, region_rows = (a_row_ids.shape[0] if a_row_ids is not None else rows), 0
     L = num_tokens_L.shape[0]
     if M == 0 or rows == 0:
         return
@@ -279,9 +312,9 @@ def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, q, qs) -
     _convert_rows_kernel[grid](
         a_ptr=a, a_scales_ptr=scales, a_row_ids_ptr=a_row_ids.contiguous() if a_row_ids is not None else num_tokens_L,
         q_ptr=q, q_scales_ptr=q_scales, row_offsets_ptr=row_offsets_L1.contiguous(),
-        num_tokens_ptr=num_tokens_L.contiguous(), L=L, stride_am=a.stride(0), stride_ad=a.stride(1),
+        num_tokens_ptr=num_tokens_L.contiguous(), L=L, N=region_rows, stride_am=a.stride(0), stride_ad=a.stride(1),
         stride_sm=scales.stride(0), stride_sd=scales.stride(1), stride_qm=q.stride(0), stride_qsm=q_scales.stride(0),
-        D=2 * a.shape[1] if nvfp4 else a.shape[1], HAS_ROW_IDS=a_row_ids is not None,
+        D=2 * a.shape[1] if nvfp4 else a.shape[1], HAS_ROW_IDS=a_row_ids is not None, BY_REGION=a_regions is not None,
         IN_FP8=a.dtype == torch.float8_e4m3fn, NVFP4=nvfp4, OUT_FP8=qs is not None,
         BLOCK_L=max(2, triton.next_power_of_2(L)), BLOCK_R=block_r, GROUP_D=FP8_GROUP, num_warps=4,
     )
@@ -378,7 +411,8 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
                  num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
                  a_scales: torch.Tensor | None = None, b_scales: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, num_sms: int | None = None,
-                 fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 a_regions: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Per-expert ``c = A @ b[e]`` over expert-major rows, without a host sync.
 
     Args:
@@ -404,6 +438,11 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
         fp8_rows: with fp8 ``b_LDO`` and a bf16 or nvfp4 ``a``: where :func:`quantize_rows_fp8`
             puts the rows quantised to fp8 first (``(q [rows of a, D], scales [rows of a,
             D / 128])``, e.g. a scratch held for CUDA graphs); None: new tensors.
+        a_regions: ``(counts_R [R] int32 on the device, n)`` when ``a`` is a receive buffer of
+            R regions of n rows whose region s holds rows ``[s n, s n + counts_R[s])`` (each read
+            by at least one expert-major row): the pass that quantises (or decodes) rows for
+            the other tensor-core dtype then converts each of them once, not once per local
+            expert that reads it (deepseek-v3 on 2 ranks: ~4 expert rows per receive row).
 
     Returns:
         c [M_max, O] bf16.
@@ -428,10 +467,11 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     b_fp8 = b_LDO.dtype == torch.float8_e4m3fn
     if b_fp8 and a.dtype != torch.float8_e4m3fn:  # fp8 tensor cores take fp8 rows: quantise once
         a, a_scales = quantize_rows_fp8(a=a, a_scales=a_scales, row_offsets_L1=row_offsets_L1,
-                                        num_tokens_L=num_tokens_L, a_row_ids=a_row_ids, out=fp8_rows)
+                                        num_tokens_L=num_tokens_L, a_row_ids=a_row_ids, out=fp8_rows,
+                                        a_regions=a_regions)
     elif not b_fp8 and a.dtype != torch.bfloat16:  # bf16 tensor cores take bf16 rows: decode once
         a, a_scales = decode_rows_bf16(a=a, a_scales=a_scales, row_offsets_L1=row_offsets_L1,
-                                       num_tokens_L=num_tokens_L, a_row_ids=a_row_ids), None
+                                       num_tokens_L=num_tokens_L, a_row_ids=a_row_ids, a_regions=a_regions), None
     cfg = _launch_config(dev, b_fp8=b_fp8, rows_per_expert=M // L)
     bm, bo = cfg["BLOCK_M"], cfg["BLOCK_O"]
     # sum_e ceil(n_e / BM) <= (sum_e n_e + L (BM - 1)) / BM, and every tile holds >= 1 row
@@ -460,10 +500,11 @@ def grouped_gemm_torch(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: 
                        num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
                        a_scales: torch.Tensor | None = None, b_scales: torch.Tensor | None = None,
                        out: torch.Tensor | None = None, num_sms: int | None = None,
-                       fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       a_regions: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Torch twin of :func:`grouped_gemm` (same arguments, any device; reads the counts on
-    the host; padding rows of a new output are zero; ``num_sms`` and ``fp8_rows`` are
-    ignored: it quantises bf16 / nvfp4 rows for fp8 weights on the fly)."""
+    the host; padding rows of a new output are zero; ``num_sms``, ``fp8_rows`` and
+    ``a_regions`` are ignored: it converts bf16 / fp8 / nvfp4 rows on the fly)."""
     M, D, O, L = _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_scales,
                                      out, num_sms, b_scales)
     if out is None:
