@@ -198,6 +198,7 @@ def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None =
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     sig, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -208,6 +209,11 @@ def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None =
             sig[name] = "*" + _DTYPES[a.dtype]
             if specialize:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(a, TensorDescriptor):  # a bulk-copy (TMA) descriptor of tiles
+            sig[name] = f"tensordesc<{_DTYPES[a.base.dtype]}{list(a.block_shape)}>"
+        elif a is None:
+            sig[name] = "constexpr"
+            constexprs[name] = None
         elif specialize and int(a) == 1:
             sig[name] = "constexpr"
             constexprs[name] = 1
@@ -272,7 +278,8 @@ def main() -> int:
             ck = compile_sm90(kernel, args, meta, bitcode, options, specialize=True)
             print(f"OK   {kernel.fn.__name__:<28} {len(ck.asm['cubin']):>8} B cubin, "
                   f"nvshmem={'nvshmem' in ck.asm['ptx']}, wgmma={_wgmma(ck.asm['ptx'])}, "
-                  f"narrow_stores={_narrow_stores(ck.asm['ptx'])}, shared={ck.metadata.shared}")
+                  f"narrow_stores={_narrow_stores(ck.asm['ptx'])}, tma={'cp.async.bulk.tensor' in ck.asm['ptx']}, "
+                  f"shared={ck.metadata.shared}")
         except Exception:  # noqa: BLE001 - report every kernel
             failed += 1
             print(f"FAIL {kernel.fn.__name__}\n{traceback.format_exc()}")

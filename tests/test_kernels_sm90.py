@@ -82,6 +82,7 @@ def test_fp8_expert_kernels_compile_to_fp8_tensor_cores():
     # (every variant reads fp8 rows: others are quantised first)
     assert len(lines) == 8 and len(gemms) == 3 and len(quantise) == 3, out
     assert all("wgmma=e4m3" in line for line in gemms), out
+    assert all("tma=True" in line for line in gemms), out  # weight tiles arrive by bulk copies
     # pipelined: at least 3 stages of the 128 x 128 fp8 B tile (16 KB) in shared memory (plus
     # the fp8 A tiles). Measured: 96 KB for 64-row tiles, 128 KB for 128-row ones
     shared = [int(line.rsplit("shared=", 1)[1]) for line in gemms]
