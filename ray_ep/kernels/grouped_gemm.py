@@ -64,14 +64,14 @@ B_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, a_scales_ptr, a_row_ids_ptr, b_ptr, b_desc, b_scales_ptr, c_ptr, row_offsets_ptr, num_tokens_ptr,
+    a_ptr, a_desc, a_scales_ptr, a_row_ids_ptr, b_ptr, b_desc, b_scales_ptr, c_ptr, row_offsets_ptr, num_tokens_ptr,
     L, O,
     stride_am, stride_ad, stride_sm, stride_sd,
     stride_bl, stride_bd, stride_bo, stride_bsl, stride_bsd, stride_bso, stride_cm, stride_co,
     D: tl.constexpr, HAS_ROW_IDS: tl.constexpr, GROUP_D: tl.constexpr,
     DOT_FP32: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, B_FP8: tl.constexpr,
-    B_TMA: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr,
 ):
     # D is constexpr: the interpreter (numpy >= 2) cannot loop up to a runtime scalar, and a
     # fixed D per weight shape costs one compile per GEMM of the model.
@@ -120,7 +120,10 @@ def _grouped_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
             d_mask = offs_d < D - d0
-            a = tl.load(a_ptrs, mask=a_mask[:, None] & d_mask[None, :], other=0.0)
+            if A_TMA:  # rows in place (no row ids): padding rows load too, their outputs are not stored
+                a = a_desc.load([seg_start + m_tile * BLOCK_M, d0])
+            else:
+                a = tl.load(a_ptrs, mask=a_mask[:, None] & d_mask[None, :], other=0.0)
             if B_FP8:
                 # fp8 rows only (the launcher quantises others first). BLOCK_D == GROUP_D == 128:
                 # one activation scale per row and one weight scale per 128 output columns
@@ -354,14 +357,17 @@ def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: i
     Weight tiles arrive by bulk copies (TMA descriptors, ``B_TMA``) where the layout allows:
     same run, one H200, pointer loads -> TMA: bf16 prefill gate_up 3167 -> 2805 us (rows read
     through row ids: 3175 -> 3055), down 1614 -> 1542; fp8 gate_up 2691 -> 2666 (2727 -> 2656
-    with row ids), down 1544 -> 1513; decode within 1-6% faster (fp8 down 389 -> 367)."""
+    with row ids), down 1544 -> 1513; decode within 1-6% faster (fp8 down 389 -> 367). Rows in
+    place (no row ids: the down GEMM) arrive by bulk copies too; another run, B by TMA -> A and B:
+    fp8 gate_up 2656 -> 2557 us, down 1530 -> 1461, bf16 gate_up 2941 -> 2876, down 1547 -> 1543
+    (that run's repeats of identical kernels spread up to 10%: the gains are within it for bf16)."""
     if device.type != "cuda":
-        return dict(BLOCK_M=32, BLOCK_O=64, BLOCK_D=128 if b_fp8 else 64, num_warps=4, num_stages=1, B_TMA=True)
+        return dict(BLOCK_M=32, BLOCK_O=64, BLOCK_D=128 if b_fp8 else 64, num_warps=4, num_stages=1, TMA=True)
     if b_fp8:
         if rows_per_expert <= 64:
-            return dict(BLOCK_M=64, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=4, num_stages=4, B_TMA=True)
-        return dict(BLOCK_M=128, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=8, num_stages=4, B_TMA=True)
-    return dict(BLOCK_M=128, BLOCK_O=256, BLOCK_D=64, num_warps=8, num_stages=4, B_TMA=True)
+            return dict(BLOCK_M=64, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=4, num_stages=4, TMA=True)
+        return dict(BLOCK_M=128, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=8, num_stages=4, TMA=True)
+    return dict(BLOCK_M=128, BLOCK_O=256, BLOCK_D=64, num_warps=8, num_stages=4, TMA=True)
 
 
 def _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_scales, out,
@@ -497,15 +503,19 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     row_ids = a_row_ids.contiguous() if a_row_ids is not None else num_tokens_L  # dummy when unused
     scales = a_scales if b_fp8 else a  # dummy pointer when unused
     bs = b_scales if b_fp8 else b_LDO  # dummy pointer when unused
-    b_desc = _weight_descriptor(b_LDO, cfg) if cfg.pop("B_TMA", False) else None
+    tma = cfg.pop("TMA", False)
+    b_desc = _weight_descriptor(b_LDO, cfg) if tma else None
+    # rows in place (no gather) arrive by bulk copies too; fp8 and bf16 rows only
+    a_desc = (_descriptor(a, [cfg["BLOCK_M"], cfg["BLOCK_D"]])
+              if tma and b_desc is not None and a_row_ids is None and a.dtype != torch.uint8 else None)
     _grouped_gemm_kernel[grid](
-        a_ptr=a, a_scales_ptr=scales, a_row_ids_ptr=row_ids, b_ptr=b_LDO, b_desc=b_desc, b_scales_ptr=bs, c_ptr=out,
+        a_ptr=a, a_desc=a_desc, a_scales_ptr=scales, a_row_ids_ptr=row_ids, b_ptr=b_LDO, b_desc=b_desc, b_scales_ptr=bs, c_ptr=out,
         row_offsets_ptr=row_offsets_L1, num_tokens_ptr=num_tokens_L, L=L, O=O, stride_am=a.stride(0),
         stride_ad=a.stride(1), stride_sm=scales.stride(0), stride_sd=scales.stride(1), stride_bl=b_LDO.stride(0),
         stride_bd=b_LDO.stride(1), stride_bo=b_LDO.stride(2), stride_bsl=bs.stride(0), stride_bsd=bs.stride(1),
         stride_bso=bs.stride(2), stride_cm=out.stride(0), stride_co=out.stride(1),
         D=D, HAS_ROW_IDS=a_row_ids is not None, B_FP8=b_fp8, GROUP_D=FP8_GROUP,
-        DOT_FP32=dev.type != "cuda", BLOCK_L=max(2, triton.next_power_of_2(L)), B_TMA=b_desc is not None, **cfg,
+        DOT_FP32=dev.type != "cuda", BLOCK_L=max(2, triton.next_power_of_2(L)), A_TMA=a_desc is not None, B_TMA=b_desc is not None, **cfg,
     )
     return out
 
@@ -516,12 +526,17 @@ def _weight_descriptor(b_LDO: torch.Tensor, cfg: dict) -> TensorDescriptor | Non
     K-major weights; rows 16-byte aligned."""
     fp8 = b_LDO.dtype == torch.float8_e4m3fn
     w = b_LDO.transpose(1, 2) if fp8 else b_LDO
-    block = [1, cfg["BLOCK_O"], cfg["BLOCK_D"]] if fp8 else [1, cfg["BLOCK_D"], cfg["BLOCK_O"]]
-    size = w.element_size()
-    if (w.stride(2) != 1 or w.data_ptr() % 16 or any(st * size % 16 for st in w.stride()[:2])
-            or block[2] * size < 16):
+    return _descriptor(w, [1, cfg["BLOCK_O"], cfg["BLOCK_D"]] if fp8 else [1, cfg["BLOCK_D"], cfg["BLOCK_O"]])
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor | None:
+    """A TMA descriptor of ``t``'s ``block`` tiles, or None where TMA cannot address them (last
+    dim not contiguous, base or row strides not 16-byte aligned, a tile row under 16 bytes)."""
+    size = t.element_size()
+    if (t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:-1])
+            or block[-1] * size < 16):
         return None
-    return TensorDescriptor(w, list(w.shape), list(w.stride()), block)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
 def grouped_gemm_torch(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.Tensor,
