@@ -422,6 +422,11 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
 # A send lays out its own tokens (no compute_layout launches) up to this many tokens per rank:
 # each token then scans the ids of at most this many earlier ones (see _own_layout).
 SELF_LAYOUT_MAX_T = 256
+# earlier tokens the send's own layout compares at once (GPU): a small batch's last token scans
+# up to SELF_LAYOUT_MAX_T - 1 of them, in chunks of 64 (2x H200, decode 128 tokens, fp8 from
+# graphs: 32 -> 22.5 us from 23.3; 128 ran 22.2 but spills 16 bytes in the bf16 fused send and
+# ran bf16 from graphs 22.0 -> 23.6); a large batch's token at most block_tokens() - 1
+SCAN_CHUNK = {int(LAYOUT_SCANNED): 64, int(LAYOUT_FROM_BASES): 32}
 
 
 def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchLayout | None,
@@ -483,7 +488,8 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
     # 561 -> 544; every SM: fp8 130 -> 125, nvfp4 132 -> 117; decode fp8 27.0 -> 25.3, nvfp4
     # 26.2 -> 24.5. bf16 (nothing to overlap) at 24 / 16 SMs: 248 -> 261 / 224 -> 241, so not bf16
     meta = dict(FP8=cfg.dispatch_dtype == "fp8", NVFP4=cfg.dispatch_dtype == "nvfp4", BT=bt, BLOCK_H=bh,
-                OWN_LAYOUT=int(how), CH=64 if interpreted() else 32, SB=block_tokens(), BRANCHLESS=bt > 1,
+                OWN_LAYOUT=int(how), CH=64 if interpreted() else SCAN_CHUNK.get(int(how), 32), SB=block_tokens(),
+                BRANCHLESS=bt > 1,
                 PREFETCH=cfg.dispatch_dtype != "bf16", **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
 
