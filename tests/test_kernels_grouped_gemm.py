@@ -356,24 +356,32 @@ def test_grouped_gemm_fp8_weights_quantises_a_like_fp8_dispatch():
         assert torch.equal(from_bf16[real], from_fp8[real]), fn.__name__
 
 
+def conversion_case(seed: int):
+    """Rows for the conversion passes before a GEMM, read through expert-major row ids: experts
+    of [5, 0, 40, 3] real rows, stale ids (< 60) in the padding, one row under two experts, a
+    real slot reading nothing (-1). Returns (offsets, num_tokens, real, x [70, 256] bf16 with
+    rows of scales 1e-2 to 1e2, ids, read: the rows some real row reads)."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets, num_tokens, real = make_layout([5, 0, 40, 3], 8, 5)
+    M, rows, D = real.shape[0], 70, 256
+    x = (torch.randn(rows, D, generator=gen) * 10.0 ** torch.randint(-2, 3, (rows, 1), generator=gen)).to(torch.bfloat16)
+    ids = torch.randint(0, 60, (M,), generator=gen, dtype=torch.int32)
+    ids[real.cpu()] = torch.randint(0, 40, (int(real.sum()),), generator=gen, dtype=torch.int32)
+    ids[offsets[2].item()] = ids[offsets[0].item()] = 3
+    ids[offsets[2].item() + 1] = -1
+    read = torch.zeros(rows, dtype=torch.bool)
+    read[ids[real.cpu() & (ids >= 0)].long()] = True
+    return offsets, num_tokens, real, x, ids, read
+
+
 @pytest.mark.parametrize("a_kind", ["bf16", "nvfp4"])
 def test_quantize_rows_fp8_quantises_each_real_row_once(a_kind):
     # the pass before an fp8-weight GEMM: every row a real expert-major row reads (through the
     # row ids: shared by two experts, or none) gets quantize_fp8's bits at its own index; rows
     # no real row reads, padding's stale ids and -1 ids are not touched; into a given out
-    gen = torch.Generator().manual_seed(23)
-    counts = [5, 0, 40, 3]
-    offsets, num_tokens, real = make_layout(counts, 8, 5)
-    M, rows, D = real.shape[0], 70, 256
-    x = (torch.randn(rows, D, generator=gen) * 10.0 ** torch.randint(-2, 3, (rows, 1), generator=gen)).to(torch.bfloat16)
+    offsets, num_tokens, real, x, ids, read = conversion_case(23)
+    M, (rows, D) = real.shape[0], x.shape
     a, a_s = (x, None) if a_kind == "bf16" else reference.quantize_nvfp4(x)
-    ids = torch.randint(0, 60, (M,), generator=gen, dtype=torch.int32)  # padding: stale ids < 60
-    ids[real.cpu()] = torch.randint(0, 40, (int(real.sum()),), generator=gen, dtype=torch.int32)
-    ids[offsets[2].item()] = 3  # the same row under two experts
-    ids[offsets[0].item()] = 3
-    ids[offsets[2].item() + 1] = -1  # a real slot that reads nothing
-    read = torch.zeros(rows, dtype=torch.bool)
-    read[ids[real.cpu() & (ids >= 0)].long()] = True
     q = torch.full((rows, D), 7.0).to(torch.float8_e4m3fn).to(device)
     qs = torch.full((rows, D // 128), -1.0, device=device)
     got = quantize_rows_fp8(a=a.to(device), a_scales=a_s.to(device) if a_s is not None else None,
@@ -403,19 +411,10 @@ def test_decode_rows_bf16_decodes_each_real_row_once(a_kind):
     # the pass before a bf16-weight GEMM over fp8 or nvfp4 rows: every row a real expert-major
     # row reads gets bf16(value * scale) at its own index, as the dequantise kernels give it;
     # rows no real row reads (a receive buffer's spare capacity), stale and -1 ids: untouched
-    gen = torch.Generator().manual_seed(24)
-    counts = [5, 0, 40, 3]
-    offsets, num_tokens, real = make_layout(counts, 8, 5)
-    M, rows, D = real.shape[0], 70, 256
-    x = (torch.randn(rows, D, generator=gen) * 10.0 ** torch.randint(-2, 3, (rows, 1), generator=gen)).to(torch.bfloat16)
+    offsets, num_tokens, real, x, ids, read = conversion_case(24)
+    M, (rows, D) = real.shape[0], x.shape
     a, a_s = reference.quantize_fp8(x) if a_kind == "fp8" else reference.quantize_nvfp4(x)
     want = (reference.dequantize_fp8(a, a_s) if a_kind == "fp8" else reference.dequantize_nvfp4(a, a_s)).to(torch.bfloat16)
-    ids = torch.randint(0, 60, (M,), generator=gen, dtype=torch.int32)  # padding: stale ids < 60
-    ids[real.cpu()] = torch.randint(0, 40, (int(real.sum()),), generator=gen, dtype=torch.int32)
-    ids[offsets[2].item()] = ids[offsets[0].item()] = 3  # the same row under two experts
-    ids[offsets[2].item() + 1] = -1  # a real slot that reads nothing
-    read = torch.zeros(rows, dtype=torch.bool)
-    read[ids[real.cpu() & (ids >= 0)].long()] = True
     out = torch.full((rows, D), 7.0, dtype=torch.bfloat16, device=device)
     got = decode_rows_bf16(a=a.to(device), a_scales=a_s.to(device), row_offsets_L1=offsets, num_tokens_L=num_tokens,
                            a_row_ids=ids.to(device), out=out)
