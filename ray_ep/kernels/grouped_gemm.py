@@ -63,6 +63,16 @@ B_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 @triton.jit
+def _tile_in_group(tile, tiles_G, tile_ends_G, groups):
+    """(group g, g's tile index) of a flat ``tile`` index over the groups' tiles laid end to end
+    (``tiles_G`` per group, ``tile_ends_G`` their inclusive cumsum, ``groups`` = arange): the
+    persistent loops' map from a tile to its expert or receive region. A group with no tiles
+    ends where the one before it does, so the count skips it."""
+    g = tl.sum((tile_ends_G <= tile).to(tl.int32), axis=0)
+    return g, tile - tl.sum(tl.where(groups == g, tile_ends_G - tiles_G, 0), axis=0)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_desc, a_scales_ptr, a_row_ids_ptr, b_ptr, b_desc, b_scales_ptr, c_ptr, row_offsets_ptr, num_tokens_ptr,
     L, O,
@@ -91,13 +101,10 @@ def _grouped_gemm_kernel(
     tile = pid
     # persistent loop (a while: its bound lives on the device); one pass when grid = worst case
     while tile < total_tiles:
-        # experts with 0 tiles have end == previous end, so the count skips them
-        e = tl.sum((tile_ends_L <= tile).to(tl.int32), axis=0)
+        e, local = _tile_in_group(tile, tiles_L, tile_ends_L, experts)
         this = experts == e
-        first_tile = tl.sum(tl.where(this, tile_ends_L - tiles_L, 0), axis=0)
         m_tiles = tl.sum(tl.where(this, m_tiles_L, 0), axis=0)
         tokens = tl.sum(tl.where(this, tokens_L, 0), axis=0)
-        local = tile - first_tile
         o_tile = local // m_tiles
         m_tile = local - o_tile * m_tiles
         seg_start = tl.load(row_offsets_ptr + e)
@@ -197,11 +204,9 @@ def _convert_rows_kernel(
     # persistent over the row tiles (a bound that lives on the device)
     while tile < num_tiles:
         if BY_REGION:
-            s = tl.sum((tile_ends_L <= tile).to(tl.int32), axis=0)  # regions with 0 tiles are skipped
-            this = groups == s
-            i = ((tile - tl.sum(tl.where(this, tile_ends_L - tiles_L, 0), axis=0)) * BLOCK_R
-                 + tl.arange(0, BLOCK_R))
-            ok = i < tl.sum(tl.where(this, counts, 0), axis=0)
+            s, local = _tile_in_group(tile, tiles_L, tile_ends_L, groups)
+            i = local * BLOCK_R + tl.arange(0, BLOCK_R)
+            ok = i < tl.sum(tl.where(groups == s, counts, 0), axis=0)
             src = s.to(tl.int64) * N + i
         else:
             m = tile * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -354,7 +359,7 @@ def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: i
     (591 / 527 TFLOP/s) to 2733 / 1566 us (710 / 616), decode from 805 / 476 to 703 / 419 us
     (one H200, same run; torch._scaled_grouped_mm 2141 / 1212 and 706 / 386 us).
 
-    Weight tiles arrive by bulk copies (TMA descriptors, ``B_TMA``) where the layout allows:
+    Weight tiles arrive by bulk copies (TMA descriptors, the ``TMA`` key) where the layout allows:
     same run, one H200, pointer loads -> TMA: bf16 prefill gate_up 3167 -> 2805 us (rows read
     through row ids: 3175 -> 3055), down 1614 -> 1542; fp8 gate_up 2691 -> 2666 (2727 -> 2656
     with row ids), down 1544 -> 1513; decode within 1-6% faster (fp8 down 389 -> 367). Rows in
@@ -509,13 +514,15 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     a_desc = (_descriptor(a, [cfg["BLOCK_M"], cfg["BLOCK_D"]])
               if tma and b_desc is not None and a_row_ids is None and a.dtype != torch.uint8 else None)
     _grouped_gemm_kernel[grid](
-        a_ptr=a, a_desc=a_desc, a_scales_ptr=scales, a_row_ids_ptr=row_ids, b_ptr=b_LDO, b_desc=b_desc, b_scales_ptr=bs, c_ptr=out,
+        a_ptr=a, a_desc=a_desc, a_scales_ptr=scales, a_row_ids_ptr=row_ids, b_ptr=b_LDO, b_desc=b_desc,
+        b_scales_ptr=bs, c_ptr=out,
         row_offsets_ptr=row_offsets_L1, num_tokens_ptr=num_tokens_L, L=L, O=O, stride_am=a.stride(0),
         stride_ad=a.stride(1), stride_sm=scales.stride(0), stride_sd=scales.stride(1), stride_bl=b_LDO.stride(0),
         stride_bd=b_LDO.stride(1), stride_bo=b_LDO.stride(2), stride_bsl=bs.stride(0), stride_bsd=bs.stride(1),
         stride_bso=bs.stride(2), stride_cm=out.stride(0), stride_co=out.stride(1),
         D=D, HAS_ROW_IDS=a_row_ids is not None, B_FP8=b_fp8, GROUP_D=FP8_GROUP,
-        DOT_FP32=dev.type != "cuda", BLOCK_L=max(2, triton.next_power_of_2(L)), A_TMA=a_desc is not None, B_TMA=b_desc is not None, **cfg,
+        DOT_FP32=dev.type != "cuda", BLOCK_L=max(2, triton.next_power_of_2(L)), A_TMA=a_desc is not None,
+        B_TMA=b_desc is not None, **cfg,
     )
     return out
 
