@@ -46,9 +46,9 @@ import torch.distributed as dist
 
 from .config import BufferPlan, EPConfig, micro_batch_config, plan_buffers
 from .errors import EPConfigError, EPStateError, EPTimeoutError, EPWorkerError
-from .kernels.experts import ExpertScratch, LocalExperts, run_experts, shared_experts
+from .kernels.experts import ExpertScratch, LocalExperts, run_experts
 from .graphs import LayerGraphs
-from .pipeline import moe_micro_batched
+from .pipeline import moe_layer, moe_micro_batched
 from .transport.base import Transport
 from .transport.torch_dist import TorchTransport
 from .types import DispatchHandle, DispatchLayout
@@ -419,9 +419,11 @@ class EPCommunicator:
             validate: bool = True, backend: str | None = None, micro_batches: int | None = None,
             cuda_graph: bool = False) -> torch.Tensor:
         """One MoE layer (dispatch, built-in experts, combine, shared experts); collective:
-        every rank calls it, with 0 tokens if it has none. ``micro_batches`` (default: the
-        config's) > 1 overlaps one micro-batch's communication with another's experts
-        (:mod:`ray_ep.pipeline`; the same output). ``cuda_graph`` (GPUs): the layer is captured
+        every rank calls it, with 0 tokens if it has none. On GPUs the shared experts run on a
+        side stream beside the dispatch, and a receive's error (timeout, overflow) is raised at
+        the end of the layer. ``micro_batches`` (default: the config's) > 1 overlaps one
+        micro-batch's communication with another's experts (:mod:`ray_ep.pipeline`; the same
+        output). ``cuda_graph`` (GPUs): the layer is captured
         once per token bucket and replayed (:mod:`ray_ep.graphs`; the same output)."""
         x, ids, w = self.prepare_inputs(x_TH, topk_ids_TK, topk_weights_TK, validate)
         if cuda_graph:
@@ -443,10 +445,10 @@ class EPCommunicator:
             parts = self.micro_batch_communicators(n)
             return moe_micro_batched([c.transport(backend) for c in parts], [c.scratch for c in parts], experts,
                                      x, ids, w, self._out_dtype(out_dtype), fused=fused)
-        h = self.dispatch(x, ids, w, fused=fused, validate=False, backend=backend)
-        y = self.run_experts(h, experts)
-        return self.combine(y, h, out_dtype=out_dtype, add_TH=shared_experts(x, experts), fused=fused,
-                            backend=backend)
+        t = self._sending("dispatch", backend)
+        out, _ = moe_layer(t, self.scratch, experts, x, ids, w, self._out_dtype(out_dtype), fused=fused)
+        self._last_send = "combine" if t.name == "nvshmem" else None  # the layer's last send (see _sending)
+        return out
 
     def graphs(self, backend: str | None = None) -> LayerGraphs:
         """The CUDA graphs of whole layers this communicator captured (:meth:`moe` with

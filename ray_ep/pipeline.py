@@ -1,16 +1,23 @@
-"""An MoE layer over micro-batches, so communication overlaps the experts.
+"""An MoE layer's phases in an order that lets them overlap on a GPU.
 
-A rank's tokens are cut into ``n`` micro-batches, each with its own transport (its own
-symmetric buffers and epochs) and its own expert scratch. On a GPU the communication runs on
-a side stream and the experts on the caller's stream:
+:func:`moe_layer` (one transport): the shared experts need only the rank's own tokens, so
+they run on a side stream from the start, beside the dispatch (which in decode mostly waits
+on its peers) and the routed experts; the combine adds them once both streams meet::
+
+    caller's stream: dispatch | routed experts | (join) combine + shared
+    side stream:     shared experts |
+
+:func:`moe_micro_batched`: a rank's tokens are cut into ``n`` micro-batches, each with its own
+transport (its own symmetric buffers and epochs) and its own expert scratch. On a GPU the
+communication runs on a side stream and the experts on the caller's stream:
 
     comm stream:    dispatch 0 | dispatch 1 | ...      | combine 0 (after experts 0) | combine 1 ...
-    compute stream:            | experts 0 (after d 0) | experts 1 (after d 1)       | ...
+    compute stream: shared 0, 1 | experts 0 (after d 0) | experts 1 (after d 1)     | ...
 
 so dispatch 1 flies while experts 0 compute, and combine 0 while experts 1 compute. It pays
 when the communication kernels run on a few SMs (``num_sms``) and leave the rest to the
-GEMMs. The output equals the serial layer's: every token's experts and weights are the same,
-only the order of the work changes. On CPU (no streams) the same schedule runs in order.
+GEMMs. Either output equals the serial layer's: every token's experts and weights are the
+same, only the order of the work changes. On CPU (no streams) the same schedules run in order.
 
 Collective: every rank calls it with the same ``n`` (with 0 tokens if it has none); the
 micro-batch transports see their collectives in the same order on every rank (dispatch 0 .. n-1,
@@ -27,8 +34,9 @@ import torch
 from .kernels._util import num_sms
 from .kernels.experts import ExpertScratch, LocalExperts, run_experts, shared_experts
 from .transport.base import Transport
+from .types import DispatchHandle
 
-_comm_streams: dict[int, torch.cuda.Stream] = {}  # one side stream per device, reused
+_side_streams: dict[int, torch.cuda.Stream] = {}  # one side stream per device, reused
 
 
 def micro_batch_bounds(num_tokens: int, parts: int) -> list[tuple[int, int]]:
@@ -48,11 +56,54 @@ def micro_batch_tokens(max_tokens_per_rank: int, parts: int) -> int:
     return -(-max_tokens_per_rank // parts)
 
 
-def _comm_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _comm_streams:
-        _comm_streams[index] = torch.cuda.Stream(device=device)
-    return _comm_streams[index]
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=device)
+    return _side_streams[index]
+
+
+def _deferring(transports: Sequence[Transport]) -> contextlib.ExitStack:
+    """Defer the transports' receive checks to the end of a layer: no host sync between the
+    phases, so the streams run ahead (a caller already deferring, e.g. a benchmark loop or a
+    CUDA graph capture, checks later itself)."""
+    checks = contextlib.ExitStack()
+    for t in transports:
+        if t.check:
+            checks.enter_context(t.deferred_checks())
+    return checks
+
+
+def moe_layer(t: Transport, scratch: ExpertScratch, experts: LocalExperts, x_TH: torch.Tensor,
+              topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+              fused: bool = True) -> tuple[torch.Tensor, DispatchHandle]:
+    """One MoE layer (routed experts + shared experts) on one transport: (out [T, H]
+    ``out_dtype`` on the caller's stream, the handle of its dispatch). On a GPU the shared experts run on a side stream
+    beside the dispatch and the routed experts (see the module docstring). Receives flag errors
+    on the device; the error is raised at the end (one host sync), unless the caller defers the
+    checks itself."""
+    if x_TH.device.type != "cuda":
+        h = t.dispatch(x_TH, topk_ids_TK, topk_weights_TK, fused=fused)
+        y = run_experts(handle=h, experts=experts, scratch=scratch)
+        return t.combine(y, h, out_dtype, shared_experts(x_TH, experts), fused=fused), h
+    main = torch.cuda.current_stream(x_TH.device)
+    inputs_ready = torch.cuda.Event()
+    inputs_ready.record(main)
+    # allocated on the stream that reads it after the join: no cross-stream lifetime to track
+    add = (torch.empty(x_TH.shape, dtype=torch.float32, device=x_TH.device)
+           if experts.shared_down_SFH.shape[0] else None)
+    with _deferring([t]):
+        h = t.dispatch(x_TH, topk_ids_TK, topk_weights_TK, fused=fused)
+        if add is not None:
+            # launched after the dispatch, so its blocks reach the SMs first
+            side = _side_stream(x_TH.device)
+            side.wait_event(inputs_ready)
+            with torch.cuda.stream(side):
+                shared_experts(x_TH, experts, out=add)
+        y = run_experts(handle=h, experts=experts, scratch=scratch)
+        if add is not None:
+            main.wait_stream(side)
+        return t.combine(y, h, out_dtype, add, fused=fused), h
 
 
 def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[ExpertScratch], experts: LocalExperts,
@@ -69,10 +120,7 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
     bounds = micro_batch_bounds(T, len(transports))
     parts = [(x_TH[a:b], topk_ids_TK[a:b], topk_weights_TK[a:b]) for a, b in bounds]
     out = torch.empty(T, H, dtype=out_dtype, device=x_TH.device)
-    with contextlib.ExitStack() as checks:
-        for t in transports:  # no host sync between the phases: the streams must run ahead
-            if t.check:  # (a caller already deferring, e.g. a benchmark loop, checks later itself)
-                checks.enter_context(t.deferred_checks())
+    with _deferring(transports):
         if x_TH.device.type != "cuda":
             handles = [t.dispatch(*p, fused=fused) for t, p in zip(transports, parts)]
             for (a, b), t, h, s, p in zip(bounds, transports, handles, scratches, parts):
@@ -80,7 +128,7 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
                 out[a:b] = t.combine(y, h, out_dtype, shared_experts(p[0], experts), fused=fused)
             return out
         compute = torch.cuda.current_stream(x_TH.device)
-        comm = _comm_stream(x_TH.device)
+        comm = _side_stream(x_TH.device)
         comm.wait_stream(compute)  # the inputs (and the buffers' last users) are ready
         handles, dispatched = [], []
         with torch.cuda.stream(comm):
@@ -92,11 +140,12 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
         # leaves the communication kernels' SMs free, or they would wait for it to finish
         budget = transports[0].cfg.num_sms
         gemm_sms = max(1, num_sms(x_TH.device) - budget) if budget else None
-        ys, adds, computed = [], [], []
-        for h, s, p, ev in zip(handles, scratches, parts, dispatched):
+        # the shared experts need no dispatch: they compute while the first one flies
+        adds = [shared_experts(p[0], experts) for p in parts]
+        ys, computed = [], []
+        for h, s, ev in zip(handles, scratches, dispatched):
             compute.wait_event(ev)
             ys.append(run_experts(handle=h, experts=experts, scratch=s, num_sms=gemm_sms))
-            adds.append(shared_experts(p[0], experts))
             computed.append(torch.cuda.Event())
             computed[-1].record(compute)
         with torch.cuda.stream(comm):

@@ -15,9 +15,10 @@ import pytest  # noqa: E402
 
 from ray_ep import reference  # noqa: E402
 from ray_ep.config import EPConfig, nvfp4_row_bytes  # noqa: E402
+from ray_ep.errors import EPInputError  # noqa: E402
 from ray_ep.fp8 import quantize_fp8_blocks_torch  # noqa: E402
 from ray_ep.kernels.activation import swiglu, swiglu_torch  # noqa: E402
-from ray_ep.kernels.experts import LocalExperts  # noqa: E402
+from ray_ep.kernels.experts import LocalExperts, shared_experts  # noqa: E402
 from ray_ep.kernels.grouped_gemm import (decode_rows_bf16, grouped_gemm, grouped_gemm_torch,  # noqa: E402
                                          quantize_rows_fp8)
 from ray_ep.inputs import make_inputs  # noqa: E402
@@ -245,6 +246,23 @@ def test_expert_chain_matches_reference_experts(dispatch_dtype):
             else:  # the kernels; and the twins on a GPU, whose fp32 matmul sums in another order
                 tol = tol or "chain"
                 torch.testing.assert_close(y[real].float(), expected[rank][real].float(), **TOL[tol])
+
+
+def test_shared_experts_into_given_output():
+    # the layer allocates the sum on the stream that reads it and computes it on another:
+    # the given output gets exactly the sum a new one would, whatever it held before
+    cfg = EPConfig(hidden_size=128, n_experts=4, top_k=2, max_tokens_per_rank=8, intermediate_size=64,
+                   n_shared_experts=2, gpus_per_node=2)
+    weights = init_expert_weights(cfg, seed=3)
+    experts = LocalExperts.build(cfg, weights.local(0, cfg.experts_per_rank), device)
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(device)
+    fresh = shared_experts(x, experts)
+    out = torch.full((8, 128), float("nan"), device=device)
+    assert shared_experts(x, experts, out=out) is out
+    assert torch.equal(out, fresh)
+    torch.testing.assert_close(fresh.cpu(), reference.shared_experts(x.cpu(), weights), **TOL["chain"])
+    with pytest.raises(EPInputError, match=r"out must have shape \(8, 128\)"):
+        shared_experts(x, experts, out=torch.zeros(8, 64, device=device))
 
 
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])

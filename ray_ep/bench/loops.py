@@ -28,7 +28,7 @@ from ..nvfp4 import dequantize_nvfp4_torch, quantize_nvfp4_torch
 from ..inputs import rank_inputs
 from ..kernels.experts import run_experts, shared_experts
 from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_torch
-from ..pipeline import moe_micro_batched
+from ..pipeline import moe_layer, moe_micro_batched
 from ..transport.base import Transport
 from ..types import DispatchHandle
 
@@ -221,7 +221,8 @@ def expert_flops(cfg: EPConfig, expert_rows: int, num_tokens: int) -> int:
 def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, experts, scratch, num_tokens: int,
                 routing: str, seed: int, iters: int, warmup: int, sets: int = 3,
                 micro: tuple[list[Transport], list] | None = None) -> RankTimes:
-    """A whole MoE layer (dispatch, grouped-GEMM experts, combine, shared experts) and, on the
+    """A whole MoE layer (dispatch, grouped-GEMM experts, combine, shared experts: the layer
+    :meth:`ray_ep.EPCommunicator.moe` runs, :func:`ray_ep.pipeline.moe_layer`) and, on the
     same dispatch, the experts alone (no communication: what the layer would take if
     communication were free). ``flops`` is the experts' work on the first input set.
     ``micro``: (transports, scratches) of micro-batches: the pipelined layer is timed too
@@ -241,9 +242,7 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
         for i in range(warmup + iters):
             x, ids, w = inputs[i % sets]
             s = clock.start()
-            h = t.dispatch(x, ids, w)
-            y = run_experts(handle=h, experts=experts, scratch=scratch)
-            t.combine(y, h, torch.bfloat16, shared_experts(x, experts))
+            _, h = moe_layer(t, scratch, experts, x, ids, w, torch.bfloat16)
             us = clock.stop(s)
             # the dispatched rows stay in the buffers until the next dispatch, which no rank
             # starts before the next iteration's barriers

@@ -17,6 +17,7 @@ import torch
 from ..config import FP8_GROUP, EPConfig
 from ..errors import EPInputError
 from ..types import DispatchHandle
+from ..validation import check_tensor
 from ..weights import ExpertWeights, check_expert_weights
 from .activation import swiglu, swiglu_torch
 from .grouped_gemm import grouped_gemm, grouped_gemm_torch
@@ -178,8 +179,10 @@ def _run(gemm, act, handle: DispatchHandle, experts: LocalExperts, scratch: Expe
     return scratch.y_MH
 
 
-def shared_experts(x_TH: torch.Tensor, experts: LocalExperts) -> torch.Tensor | None:
+def shared_experts(x_TH: torch.Tensor, experts: LocalExperts, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Sum of the shared experts over this rank's own tokens, fp32 [T, H]; None when S = 0.
+    ``out``: an fp32 [T, H] tensor to write the sum into (e.g. one allocated on the stream that
+    reads it, while this runs on another); None: a new one.
 
     Dense bf16 GEMMs with fp32 accumulation (cuBLAS on GPUs), rounding like the reference."""
     S = experts.shared_down_SFH.shape[0]
@@ -187,7 +190,11 @@ def shared_experts(x_TH: torch.Tensor, experts: LocalExperts) -> torch.Tensor | 
         return None
     Fi = experts.shared_down_SFH.shape[1]
     x = x_TH.to(torch.bfloat16)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    else:
+        check_tensor("out", out, shape=tuple(x.shape), dtypes=(torch.float32,), device=x.device)
+        out.zero_()
     for s in range(S):
         if x.device.type == "cuda":
             h = x @ experts.shared_gate_up_SHF2[s]

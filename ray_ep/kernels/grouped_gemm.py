@@ -336,10 +336,12 @@ def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, a_region
     )
 
 
-def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: int = 1 << 30) -> dict[str, int]:
+def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: int = 1 << 30,
+                   depth: int = 1 << 30) -> dict[str, int]:
     """Tile shape: a Hopper-sized one on GPUs; small tiles for the interpreter, where every
     program runs in Python and tests want several tiles per expert. ``rows_per_expert``: the
-    capacity rows per local expert (M_max / L), known on the host (the real counts are not).
+    capacity rows per local expert (M_max / L), known on the host (the real counts are not);
+    ``depth``: D, the reduction size.
 
     Measured on one H200 (triton 3.6, 64 experts x ~512 rows, deepseek-v3 shapes, bf16):
     128x256x64 with 4 stages (196 KB of shared memory, fits H100/H200) ran gate_up (D 7168,
@@ -365,12 +367,19 @@ def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: i
     with row ids), down 1544 -> 1513; decode within 1-6% faster (fp8 down 389 -> 367). Rows in
     place (no row ids: the down GEMM) arrive by bulk copies too; another run, B by TMA -> A and B:
     fp8 gate_up 2656 -> 2557 us, down 1530 -> 1461, bf16 gate_up 2941 -> 2876, down 1547 -> 1543
-    (that run's repeats of identical kernels spread up to 10%: the gains are within it for bf16)."""
+    (that run's repeats of identical kernels spread up to 10%: the gains are within it for bf16).
+
+    Decode with fp8 weights (64 experts x ~16 rows, capacity 64 per expert, one H200, 15 tiles
+    swept): gate_up (D 7168) ran 477 us (3.94 TB/s of weights) at 64 x 128 and 4 stages, no tile
+    faster (32 x 256: 476; 3 stages 491; 5 stages 610: one program per SM then); down (D 2048,
+    16 K steps per tile) 251 us at 4 stages, 241 at 3 (three programs fit an SM: a program's
+    start and end, frequent at short K, leave fewer gaps in the weight stream)."""
     if device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_O=64, BLOCK_D=128 if b_fp8 else 64, num_warps=4, num_stages=1, TMA=True)
     if b_fp8:
         if rows_per_expert <= 64:
-            return dict(BLOCK_M=64, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=4, num_stages=4, TMA=True)
+            stages = 3 if depth <= 16 * FP8_GROUP else 4
+            return dict(BLOCK_M=64, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=4, num_stages=stages, TMA=True)
         return dict(BLOCK_M=128, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=8, num_stages=4, TMA=True)
     return dict(BLOCK_M=128, BLOCK_O=256, BLOCK_D=64, num_warps=8, num_stages=4, TMA=True)
 
@@ -496,7 +505,7 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     elif not b_fp8 and a.dtype != torch.bfloat16:  # bf16 tensor cores take bf16 rows: decode once
         a, a_scales = decode_rows_bf16(a=a, a_scales=a_scales, row_offsets_L1=row_offsets_L1,
                                        num_tokens_L=num_tokens_L, a_row_ids=a_row_ids, a_regions=a_regions), None
-    cfg = dict(_launch_config(dev, b_fp8=b_fp8, rows_per_expert=M // L))
+    cfg = dict(_launch_config(dev, b_fp8=b_fp8, rows_per_expert=M // L, depth=D))
     bm, bo = cfg["BLOCK_M"], cfg["BLOCK_O"]
     # sum_e ceil(n_e / BM) <= (sum_e n_e + L (BM - 1)) / BM, and every tile holds >= 1 row
     worst_m_tiles = min(M, (M + L * (bm - 1)) // bm)
