@@ -278,6 +278,20 @@ def test_json_round_trip_and_plots(tmp_path):
     assert (tmp_path / "sweep.png").stat().st_size > 1000 and (tmp_path / "gpu.png").stat().st_size > 1000
 
 
+def test_plot_of_an_sm_budget_sweep_draws_each_budget(tmp_path):
+    # a published --num-sms all,24,16 run: every (dtype, budget) is a series of its own, not
+    # three budgets drawn over one another
+    from ray_ep.bench.runner import _plot
+
+    res = bench.BenchResult.from_json(str(DOCS / "bench-4xh200-v13.json"))
+    assert {r.sms for r in res.rows} == {"132", "24", "16"}
+    labels = _plot(res, str(tmp_path / "sweep.png"))
+    assert labels == [f"ray_ep {d} @{b} SMs" for d in ("bf16", "fp8", "nvfp4") for b in ("132", "24", "16")]
+    # one budget (and the NCCL pipeline, which has none): no budget in the labels
+    assert _plot(bench.BenchResult.from_json(str(DOCS / "bench-4xh200-v4.json")), str(tmp_path / "v4.png"))[:2] == [
+        "ray_ep bf16", "NCCL pipeline bf16"]
+
+
 class FakeCluster:
     """Stands in for EPCluster where no worker is needed."""
 

@@ -148,7 +148,8 @@ _STYLE: dict[str, tuple[list[str], str, str]] = {
 _OTHER = (["#2ca02c", "#98df8a", "#9467bd", "#c5b0d5"], "D", "")
 
 
-def _plot(res: BenchResult, path: str) -> None:
+def _plot(res: BenchResult, path: str) -> list[str]:
+    """Draw ``res`` into ``path``; returns the legend's labels (one per series)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,35 +170,45 @@ def _plot(res: BenchResult, path: str) -> None:
         return r.dtype if r.experts in ("-", "bf16") else f"{r.dtype} {r.experts} experts"
 
     dtypes = list(dict.fromkeys(dtype_of(r) for r in main))
+    # a --num-sms sweep: a series per budget ('-': a backend without one, e.g. the NCCL pipeline)
+    budgets = list(dict.fromkeys(r.sms for r in main if r.sms != "-"))
 
-    # series: (backend, dtype, routing), plus the preset when lines of several presets share an axis
+    # series: (backend, dtype, routing, SM budget), plus the preset when lines of several presets
+    # share an axis
     def key(r: BenchRow) -> tuple:
-        return (r.preset if sweep and len(presets) > 1 else "", r.backend, dtype_of(r), r.routing)
+        return (r.preset if sweep and len(presets) > 1 else "", r.backend, dtype_of(r), r.routing,
+                r.sms if len(budgets) > 1 and r.sms != "-" else "")
 
     # ray_ep beside the pipeline for each dtype: order by (dtype, routing, backend)
     rank_of = {b: i for i, b in enumerate(_STYLE)}
     keys = sorted(dict.fromkeys(key(r) for r in main),
                   key=lambda k: (presets.index(k[0]) if k[0] else 0, dtypes.index(k[2]), routings.index(k[3]),
-                                 rank_of.get(k[1], len(rank_of))))
+                                 budgets.index(k[4]) if k[4] else 0, rank_of.get(k[1], len(rank_of))))
     if a2a:
-        keys.append(("", "nccl-a2a-equal", "bf16", "-"))
+        keys.append(("", "nccl-a2a-equal", "bf16", "-", ""))
     # colour: the backend's family, shaded by dtype; routing: line style (lines) or hatching (bars);
-    # with lines of several presets, the marker tells the preset
+    # SM budget: hatching (bars) or marker (lines); with lines of several presets, the marker
+    # tells the preset
     markers = "os^Dv<>p"
+    budget_hatches = ["", "//", "xx", "\\\\", "--", "++"]
     style = {}
     for k in keys:
         colours, marker, name = _STYLE.get(k[1], _OTHER)
         if k[0]:
             marker = markers[presets.index(k[0]) % len(markers)]
+        elif k[4]:
+            marker = markers[budgets.index(k[4]) % len(markers)]
         if k[1] == "nccl-a2a-equal":
             label, colour = name, colours[0]
         else:
             label = " ".join(x for x in (k[0], name or k[1], k[2] if len(dtypes) > 1 else "",
-                                         k[3] if len(routings) > 1 else "") if x)
+                                         k[3] if len(routings) > 1 else "", f"@{k[4]} SMs" if k[4] else "") if x)
             colour = colours[dtypes.index(k[2]) % len(colours)]
         skewed = k[3] not in ("-", routings[0])
+        hatch = budget_hatches[budgets.index(k[4]) % len(budget_hatches)] if k[4] else ""
+        hatch += "..." if skewed else ""
         style[k] = dict(color=colour, marker=marker, label=label, linestyle="--" if skewed else "-",
-                        hatch="//" if k[1] == "nccl-a2a-equal" else ("..." if skewed else None))
+                        hatch="//" if k[1] == "nccl-a2a-equal" else (hatch or None))
 
     fig, axes = plt.subplots(2, len(ops), figsize=(5.2 * len(ops) + 1, 8.2), squeeze=False)
     metrics = (("median_us", "time per call, us (log)"), ("remote_gbps", "remote GB/s per rank"))
@@ -267,7 +278,7 @@ def _plot(res: BenchResult, path: str) -> None:
     nrows = math.ceil(len(labels) / ncol)
     fig.legend([handles[lab] for lab in labels], labels, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
     meta = res.meta
-    sms = sorted({r.sms for r in main if r.backend == "ray_ep"} - {"-"})
+    sms = [b for b in dict.fromkeys(r.sms for r in main if r.backend == "ray_ep") if b != "-"]
     device_sms = meta.get("sms")
     sm_text = f", ray_ep on {'/'.join(sms)} SMs" if sms else ""
     if sms and device_sms and sms != [str(device_sms)]:
@@ -281,6 +292,7 @@ def _plot(res: BenchResult, path: str) -> None:
     fig.tight_layout(rect=(0, 0.025 + 0.03 * nrows, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return labels
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
