@@ -80,8 +80,9 @@ def moe_layer(t: Transport, scratch: ExpertScratch, experts: LocalExperts, x_TH:
     """One MoE layer (routed experts + shared experts) on one transport: (out [T, H]
     ``out_dtype`` on the caller's stream, the handle of its dispatch). On a GPU the shared experts run on a side stream
     beside the dispatch and the routed experts (see the module docstring). Receives flag errors
-    on the device; the error is raised at the end (one host sync), unless the caller defers the
-    checks itself."""
+    on the device; unless the caller defers the checks itself, the dispatch's error (a silent
+    peer, an overflow) is raised before the combine, once the routed experts are launched (the
+    host waits there, not between dispatch and experts), and the combine's at the end."""
     if x_TH.device.type != "cuda":
         h = t.dispatch(x_TH, topk_ids_TK, topk_weights_TK, fused=fused)
         y = run_experts(handle=h, experts=experts, scratch=scratch)
@@ -92,6 +93,7 @@ def moe_layer(t: Transport, scratch: ExpertScratch, experts: LocalExperts, x_TH:
     # allocated on the stream that reads it after the join: no cross-stream lifetime to track
     add = (torch.empty(x_TH.shape, dtype=torch.float32, device=x_TH.device)
            if experts.shared_down_SFH.shape[0] else None)
+    checking = t.check
     with _deferring([t]):
         h = t.dispatch(x_TH, topk_ids_TK, topk_weights_TK, fused=fused)
         if add is not None:
@@ -103,6 +105,8 @@ def moe_layer(t: Transport, scratch: ExpertScratch, experts: LocalExperts, x_TH:
         y = run_experts(handle=h, experts=experts, scratch=scratch)
         if add is not None:
             main.wait_stream(side)
+        if checking:  # a failed dispatch ends the layer here, not after the combine waits out a timeout too
+            t.check_status()
         return t.combine(y, h, out_dtype, add, fused=fused), h
 
 

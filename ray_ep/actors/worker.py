@@ -335,14 +335,18 @@ class EPWorker:
             micro_batches: int | None = None, cuda_graph: bool = False) -> torch.Tensor:
         """One MoE layer (dispatch, experts of ``layer``, combine, shared experts), output on this
         rank's device. Collective: every rank calls it (with 0 tokens if it has none), in the
-        same order. ``micro_batches`` (default: the config's) > 1 overlaps the micro-batches'
-        communication with their experts; ``cuda_graph`` (GPUs) replays the layer from a CUDA
-        graph captured per token bucket (either: one "layer" phase in the stats)."""
+        same order. The layer is :meth:`EPCommunicator.moe`'s (on GPUs the shared experts run
+        beside the dispatch); ``micro_batches`` (default: the config's) > 1 overlaps the
+        micro-batches' communication with their experts; ``cuda_graph`` (GPUs) replays the
+        layer from a CUDA graph captured per token bucket (one "layer" phase in the stats).
+        With profiling on (:meth:`set_profiling`) an eager layer runs its phases one after
+        another instead, each timed (dispatch, experts, combine) and the tokens per expert
+        counted."""
         comm = self.group_state(group).comm
         experts = self._experts_of(layer, group)
         x, ids, w = comm.prepare_inputs(x_TH, topk_ids_TK, topk_weights_TK, validate=validate)
         self._handle = self._y = None  # the phase-by-phase state does not survive a whole layer
-        if cuda_graph or (micro_batches or comm.config.micro_batches) > 1:
+        if cuda_graph or (micro_batches or comm.config.micro_batches) > 1 or not self.stats.enabled:
             with self.stats.phase("layer"):
                 return comm.moe(x, ids, w, experts, out_dtype=OUT_DTYPES[out_dtype], fused=fused, validate=False,
                                 backend=backend, micro_batches=micro_batches, cuda_graph=cuda_graph)
