@@ -421,9 +421,9 @@ class EPCommunicator:
         """One MoE layer (dispatch, built-in experts, combine, shared experts); collective:
         every rank calls it, with 0 tokens if it has none. On GPUs the shared experts run on a
         side stream beside the dispatch, and the dispatch's error (timeout, overflow) is raised
-        once the routed experts are launched, before the combine. ``micro_batches`` (default: the config's) > 1 overlaps one
-        micro-batch's communication with another's experts (:mod:`ray_ep.pipeline`; the same
-        output). ``cuda_graph`` (GPUs): the layer is captured
+        once the routed experts are launched, before the combine. ``micro_batches`` (default:
+        the config's) > 1 overlaps one micro-batch's communication with another's experts
+        (:mod:`ray_ep.pipeline`; the same output). ``cuda_graph`` (GPUs): the layer is captured
         once per token bucket and replayed (:mod:`ray_ep.graphs`; the same output)."""
         x, ids, w = self.prepare_inputs(x_TH, topk_ids_TK, topk_weights_TK, validate)
         if cuda_graph:

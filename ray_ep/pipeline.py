@@ -78,11 +78,12 @@ def moe_layer(t: Transport, scratch: ExpertScratch, experts: LocalExperts, x_TH:
               topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
               fused: bool = True) -> tuple[torch.Tensor, DispatchHandle]:
     """One MoE layer (routed experts + shared experts) on one transport: (out [T, H]
-    ``out_dtype`` on the caller's stream, the handle of its dispatch). On a GPU the shared experts run on a side stream
-    beside the dispatch and the routed experts (see the module docstring). Receives flag errors
-    on the device; unless the caller defers the checks itself, the dispatch's error (a silent
-    peer, an overflow) is raised before the combine, once the routed experts are launched (the
-    host waits there, not between dispatch and experts), and the combine's at the end."""
+    ``out_dtype`` on the caller's stream, the handle of its dispatch). On a GPU the shared
+    experts run on a side stream beside the dispatch and the routed experts (see the module
+    docstring). Receives flag errors on the device; unless the caller defers the checks itself,
+    the dispatch's error (a silent peer, an overflow) is raised before the combine, once the
+    routed experts are launched (the host waits there, not between dispatch and experts), and
+    the combine's at the end."""
     if x_TH.device.type != "cuda":
         h = t.dispatch(x_TH, topk_ids_TK, topk_weights_TK, fused=fused)
         y = run_experts(handle=h, experts=experts, scratch=scratch)
