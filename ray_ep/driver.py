@@ -130,7 +130,6 @@ class EPCluster:
         self._owns_ray = False
         self._local_cluster = None
         self._phase: str | None = None
-        self._num_tokens: list[int] = []
         self.backend: str | None = None
         self._layers_loaded: set[int] = set()
         # what load_experts loaded, per layer (the last load wins): replayed by restart()
@@ -458,7 +457,6 @@ class EPCluster:
         self._phase = None
         out = g.execute_per_rank("dispatch", [(x, i, w) for x, i, w in zip(xs, topk_ids, topk_weights)],
                                  [{"fused": fused, "validate": False}] * self.world_size)
-        self._num_tokens = [x.shape[0] for x in xs]
         self._phase = "dispatched"
         return out
 
@@ -469,7 +467,6 @@ class EPCluster:
         self._phase = None
         g.execute_per_rank("dispatch_send", [(x, i, w) for x, i, w in zip(xs, topk_ids, topk_weights)],
                            [{"validate": False}] * self.world_size)
-        self._num_tokens = [x.shape[0] for x in xs]
         self._phase = "sent"
 
     def dispatch_recv(self) -> list[DispatchSummary]:
