@@ -107,7 +107,7 @@ def moe_layer(t: Transport, scratch: ExpertScratch, experts: LocalExperts, x_TH:
         if add is not None:
             main.wait_stream(side)
         if checking:  # a failed dispatch ends the layer here, not after the combine waits out a timeout too
-            t.check_status()
+            t.check_status("dispatch")
         return t.combine(y, h, out_dtype, add, fused=fused), h
 
 

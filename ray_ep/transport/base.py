@@ -47,8 +47,9 @@ class Transport(abc.ABC):
             self._check = before
         self.check_status()
 
-    def check_status(self) -> None:
-        """Raise the error a deferred receive flagged (transports that fail on the host: no-op)."""
+    def check_status(self, what: str = "last round") -> None:
+        """Raise the error a deferred receive flagged, naming ``what`` ran (transports that fail
+        on the host: no-op)."""
 
     @abc.abstractmethod
     def dispatch_send(self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,

@@ -213,8 +213,8 @@ class NvshmemTransport(Transport):
         return combine_k.combine_fused(cfg=self.cfg, y_MH=y_MH, handle=handle, bufs=self.bufs, ws=self.ws,
                                  out_dtype=out_dtype, add_TH=add_TH, check=self.check)
 
-    def check_status(self) -> None:
-        check_status(self.ws, self.rank, "last round")
+    def check_status(self, what: str = "last round") -> None:
+        check_status(self.ws, self.rank, what)
 
     def barrier(self) -> None:
         self._nvc.barrier_all(torch.cuda.current_stream())
