@@ -489,8 +489,7 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
     # 26.2 -> 24.5. bf16 (nothing to overlap) at 24 / 16 SMs: 248 -> 261 / 224 -> 241, so not bf16
     meta = dict(FP8=cfg.dispatch_dtype == "fp8", NVFP4=cfg.dispatch_dtype == "nvfp4", BT=bt, BLOCK_H=bh,
                 OWN_LAYOUT=int(how), CH=64 if interpreted() else SCAN_CHUNK.get(int(how), 32), SB=block_tokens(),
-                BRANCHLESS=bt > 1,
-                PREFETCH=cfg.dispatch_dtype != "bf16", **_common_meta(cfg), **remote_meta(cfg))
+                BRANCHLESS=bt > 1, PREFETCH=cfg.dispatch_dtype != "bf16", **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
 
 

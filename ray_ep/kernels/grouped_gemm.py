@@ -361,7 +361,7 @@ def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: i
     (591 / 527 TFLOP/s) to 2733 / 1566 us (710 / 616), decode from 805 / 476 to 703 / 419 us
     (one H200, same run; torch._scaled_grouped_mm 2141 / 1212 and 706 / 386 us).
 
-    Weight tiles arrive by bulk copies (TMA descriptors, the ``TMA`` key) where the layout allows:
+    Weight tiles arrive by bulk copies (TMA descriptors) where the layout allows:
     same run, one H200, pointer loads -> TMA: bf16 prefill gate_up 3167 -> 2805 us (rows read
     through row ids: 3175 -> 3055), down 1614 -> 1542; fp8 gate_up 2691 -> 2666 (2727 -> 2656
     with row ids), down 1544 -> 1513; decode within 1-6% faster (fp8 down 389 -> 367). Rows in
@@ -375,13 +375,13 @@ def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: i
     16 K steps per tile) 251 us at 4 stages, 241 at 3 (three programs fit an SM: a program's
     start and end, frequent at short K, leave fewer gaps in the weight stream)."""
     if device.type != "cuda":
-        return dict(BLOCK_M=32, BLOCK_O=64, BLOCK_D=128 if b_fp8 else 64, num_warps=4, num_stages=1, TMA=True)
+        return dict(BLOCK_M=32, BLOCK_O=64, BLOCK_D=128 if b_fp8 else 64, num_warps=4, num_stages=1)
     if b_fp8:
         if rows_per_expert <= 64:
             stages = 3 if depth <= 16 * FP8_GROUP else 4
-            return dict(BLOCK_M=64, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=4, num_stages=stages, TMA=True)
-        return dict(BLOCK_M=128, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=8, num_stages=4, TMA=True)
-    return dict(BLOCK_M=128, BLOCK_O=256, BLOCK_D=64, num_warps=8, num_stages=4, TMA=True)
+            return dict(BLOCK_M=64, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=4, num_stages=stages)
+        return dict(BLOCK_M=128, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=8, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_O=256, BLOCK_D=64, num_warps=8, num_stages=4)
 
 
 def _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_scales, out,
@@ -505,7 +505,7 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     elif not b_fp8 and a.dtype != torch.bfloat16:  # bf16 tensor cores take bf16 rows: decode once
         a, a_scales = decode_rows_bf16(a=a, a_scales=a_scales, row_offsets_L1=row_offsets_L1,
                                        num_tokens_L=num_tokens_L, a_row_ids=a_row_ids, a_regions=a_regions), None
-    cfg = dict(_launch_config(dev, b_fp8=b_fp8, rows_per_expert=M // L, depth=D))
+    cfg = _launch_config(dev, b_fp8=b_fp8, rows_per_expert=M // L, depth=D)
     bm, bo = cfg["BLOCK_M"], cfg["BLOCK_O"]
     # sum_e ceil(n_e / BM) <= (sum_e n_e + L (BM - 1)) / BM, and every tile holds >= 1 row
     worst_m_tiles = min(M, (M + L * (bm - 1)) // bm)
@@ -517,11 +517,10 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     row_ids = a_row_ids.contiguous() if a_row_ids is not None else num_tokens_L  # dummy when unused
     scales = a_scales if b_fp8 else a  # dummy pointer when unused
     bs = b_scales if b_fp8 else b_LDO  # dummy pointer when unused
-    tma = cfg.pop("TMA", False)
-    b_desc = _weight_descriptor(b_LDO, cfg) if tma else None
+    b_desc = _weight_descriptor(b_LDO, cfg)
     # rows in place (no gather) arrive by bulk copies too; fp8 and bf16 rows only
     a_desc = (_descriptor(a, [cfg["BLOCK_M"], cfg["BLOCK_D"]])
-              if tma and b_desc is not None and a_row_ids is None and a.dtype != torch.uint8 else None)
+              if b_desc is not None and a_row_ids is None and a.dtype != torch.uint8 else None)
     _grouped_gemm_kernel[grid](
         a_ptr=a, a_desc=a_desc, a_scales_ptr=scales, a_row_ids_ptr=row_ids, b_ptr=b_LDO, b_desc=b_desc,
         b_scales_ptr=bs, c_ptr=out,
