@@ -225,6 +225,10 @@ def _graph_rounds(worker, group: str, fused: bool, rounds: int) -> dict:
             worst = max(worst, ((out[:n].float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item())
         if n < T:
             worst = max(worst, out[n:].float().abs().max().item())  # padding reached nobody
+        # the handle's received rows are read above after the combine: no peer may replay the
+        # next dispatch into them before every rank has read them (the eager soak reads them
+        # between dispatch and combine, where the protocol itself keeps peers out)
+        t.barrier()
     return {"max_rel_error": worst, "misplaced_rows": bad}
 
 

@@ -814,17 +814,18 @@ def test_send_lays_out_its_own_tokens_like_compute_layout(T, routing, mask):
         assert int(world.workspaces[0].totals.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("R,sum_channels", [(2, 4096), (4, 2048), (8, 1024)])
+@pytest.mark.parametrize("R,sum_channels", [(2, 4096), (4, 4096), (8, 1024), (16, 512)])
 def test_tiles_under_an_sm_budget(monkeypatch, R, sum_channels):
     # the GPU's tiles (the interpreter's are whole rows): without a budget one row per
     # program; under one a program fills its SM (8 rows, 32 warps) and each thread keeps
-    # several 16-byte loads in flight, the combine's sum at most 8192 channels of its R rows
+    # several 16-byte loads in flight, the combine's sum as wide as
+    # its R rows allow without spills (combine.SUM_CHANNELS)
     from types import SimpleNamespace
 
     from ray_ep.kernels import _util
 
     monkeypatch.setattr(_util, "interpreted", lambda: False)
-    cfg = EPConfig.preset("deepseek-v3", gpus_per_node=R)
+    cfg = EPConfig.preset("deepseek-v3", n_nodes=max(1, R // 8), gpus_per_node=min(R, 8), max_tokens_per_rank=1024)
     cpu = torch.device("cpu")
     assert _util.comm_tile(cfg.hidden_size, cpu, None, "dispatch", multiple=FP8_GROUP) == (1, 1024, 4)
     assert _util.comm_tile(cfg.hidden_size, cpu, 24, "dispatch", multiple=FP8_GROUP) == (8, 2048, 32)

@@ -190,9 +190,12 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
 
 # ---- launchers -----------------------------------------------------------------------------
 _TL_DTYPES = {"bf16": tl.bfloat16, "fp32": tl.float32}
-# under an SM budget, the per-token sum's step times the R_PAD rows it loads at once (2 ranks x
-# 4096 channels measured best, see comm_tile; more ranks take narrower steps, not spills)
-SUM_CHANNELS_IN_FLIGHT = 8192
+# under an SM budget, the per-token sum's step (channels of each of the R_PAD rows it loads at
+# once), per R_PAD: the widest measured that keeps 1024 threads at 64 registers without spills on
+# sm_90 (4 ranks x 8192 and 8 x 2048 spill). Prefill bf16 combine at 24 / 16 SMs: 2x H200 4096
+# channels against 1024, 779 -> 610 / 1115 -> 881 us; 4x H200 4096 against 2048, 1170 -> 1069 /
+# 1694 -> 1564 us. More ranks than listed: 8192 channels in all
+SUM_CHANNELS = {1: 4096, 2: 4096, 4: 4096, 8: 1024}
 _WIRE_BYTES = {"bf16": 2, "fp32": 4}
 
 
@@ -246,9 +249,9 @@ def _tile(cfg: EPConfig, bufs: SymmetricBuffers, budget: int | None, tokens: int
     token in flight, not K)."""
     r_pad = triton.next_power_of_2(cfg.world_size)
     rows, channels, warps = comm_tile(cfg.hidden_size, bufs.device, budget, "combine", tokens=tokens)
-    # the sum holds R_PAD rows' steps in flight per token: SUM_CHANNELS_IN_FLIGHT in all
+    # the sum holds R_PAD rows' steps in flight per token
     _, sum_channels, _ = comm_tile(cfg.hidden_size, bufs.device, budget, "combine",
-                                   channels=SUM_CHANNELS_IN_FLIGHT // r_pad, tokens=tokens)
+                                   channels=SUM_CHANNELS.get(r_pad, 8192 // r_pad), tokens=tokens)
     return rows, dict(BLOCK_H=channels, R_PAD=r_pad), dict(BLOCK_HS=sum_channels, R_PAD=r_pad), warps
 
 
