@@ -352,7 +352,8 @@ class EPCommunicator:
         expert-major (collective). x_TH [T, H], topk_ids_TK [T, K] (-1 = unused),
         topk_weights_TK [T, K]. ``layout``: reuse the send-side layout of an earlier dispatch of
         the same ids (backward passes). On nvshmem the handle's rows stay valid until the next
-        dispatch (:meth:`DispatchHandle.kept` keeps the layouts longer)."""
+        dispatch of any rank, which a peer may start once this rank's combine has sent: read
+        them before the combine (:meth:`DispatchHandle.kept` keeps the layouts longer)."""
         x, ids, w = self.prepare_inputs(x_TH, topk_ids_TK, topk_weights_TK, validate)
         return self._sending("dispatch", backend).dispatch(x, ids, w, fused=fused, layout=layout)
 

@@ -68,7 +68,8 @@ class DispatchHandle:
     """Everything the expert compute and the combine of one round need.
 
     ``x_rows`` [rows, H] receive rows (bf16 or fp8; on the nvshmem backend a view of the
-    symmetric buffer, valid until the next dispatch), ``scales_rows`` [rows, G] fp32 for fp8;
+    symmetric buffer, valid until any rank's next dispatch, which may start once this rank's
+    combine has sent), ``scales_rows`` [rows, G] fp32 for fp8;
     for nvfp4 ``x_rows`` [rows, H/2] uint8 packed codes and ``scales_rows`` [rows, H/16]
     float8_e4m3fn (on the nvshmem backend both are strided views of the wire rows),
     ``meta_rows`` [rows, 3K] int32 (expert ids, ordinals, weight bits). Expert-major row m is
