@@ -814,7 +814,7 @@ def test_send_lays_out_its_own_tokens_like_compute_layout(T, routing, mask):
         assert int(world.workspaces[0].totals.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("R,sum_channels", [(2, 4096), (4, 4096), (8, 1024), (16, 512)])
+@pytest.mark.parametrize("R,sum_channels", [(1, 8192), (2, 4096), (4, 4096), (8, 1024), (16, 512)])
 def test_tiles_under_an_sm_budget(monkeypatch, R, sum_channels):
     # the GPU's tiles (the interpreter's are whole rows): without a budget one row per
     # program; under one a program fills its SM (8 rows, 32 warps) and each thread keeps

@@ -191,12 +191,12 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
 # ---- launchers -----------------------------------------------------------------------------
 _TL_DTYPES = {"bf16": tl.bfloat16, "fp32": tl.float32}
 # under an SM budget, the per-token sum's step (channels of each of the R_PAD rows it loads at
-# once), per R_PAD: 4096 while R_PAD rows of it fit 1024 threads at 64 registers without spills on
-# sm_90 (up to 4 ranks; 8192 on 4 ranks spills 304 bytes), 1024 on 8 (2048 spills 60 bytes; 8
-# ranks not measured on GPUs), 8192 channels in all beyond. Prefill bf16 combine at 24 / 16 SMs:
-# 2x H200 4096 channels against 1024, 779 -> 610 / 1115 -> 881 us; 4x H200 4096 against 2048,
-# 1170 -> 1069 / 1694 -> 1564 us
-SUM_CHANNELS = {1: 4096, 2: 4096, 4: 4096, 8: 1024}
+# once), per R_PAD: 4096 on 2 and 4 ranks, where R_PAD rows of it fit 1024 threads at 64
+# registers without spills on sm_90 (8192 on 4 ranks spills 304 bytes), 1024 on 8 (2048 spills
+# 60 bytes; 8 ranks not measured on GPUs); any other R_PAD (one rank, 16+) 8192 channels in all.
+# Prefill bf16 combine at 24 / 16 SMs: 2x H200 4096 channels against 1024, 779 -> 610 / 1115 ->
+# 881 us; 4x H200 4096 against 2048, 1170 -> 1069 / 1694 -> 1564 us
+SUM_CHANNELS = {2: 4096, 4: 4096, 8: 1024}
 _WIRE_BYTES = {"bf16": 2, "fp32": 4}
 
 
