@@ -101,6 +101,14 @@ class EPConfig(BaseModel):
     combine_dtype: Literal["bf16", "fp32", "fp64"] = "bf16"
     """Row format of expert outputs on the wire for combine (fp32 for exactness checks; fp64,
     backend 'torch' only, for float64 gradient checks)."""
+    combine_mode: Literal["push", "pull"] = "push"
+    """How combine moves the partial rows (backend nvshmem; the torch backend ignores it).
+    push: the rank that ran the experts forms each partial row (the router-weighted sum of a
+    received token's local experts) and stores it in its source's buffer; ``num_sms`` covers it
+    all. pull (one node only): the partial rows are formed in the rank's own buffer by a pass on
+    every SM (expert-side work, outside ``num_sms``), then each source loads its rows from the
+    peers over NVLink and sums them on ``num_sms`` SMs. It pays under an SM budget: 4x H200
+    prefill, 24 SMs, the budgeted part of combine drops from the whole push to the pull."""
     expert_alignment: int = Field(default=1, gt=0)
     """Rows of each local expert's segment are padded to a multiple of this."""
     backend: Literal["auto", "nvshmem", "torch"] = "auto"
@@ -211,6 +219,11 @@ class EPConfig(BaseModel):
                     f"bytes; rows must be a multiple of 16 bytes for vector access: make "
                     f"hidden_size a multiple of {multiple}"
                 )
+        if self.combine_mode == "pull" and self.n_nodes > 1:
+            raise ValueError(
+                f"combine_mode 'pull' loads partial rows from peers over NVLink, so every rank must "
+                f"be on one node; got n_nodes = {self.n_nodes}; use combine_mode 'push'"
+            )
         if self.expert_alignment & (self.expert_alignment - 1):
             raise ValueError(
                 f"expert_alignment = {self.expert_alignment} must be a power of two (1, 2, 4, ...)"

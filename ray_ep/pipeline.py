@@ -14,7 +14,9 @@ communication runs on a side stream and the experts on the caller's stream:
     comm stream:    dispatch 0 | dispatch 1 | ...      | combine 0 (after experts 0) | combine 1 ...
     compute stream: shared 0, 1 | experts 0 (after d 0) | experts 1 (after d 1)     | ...
 
-so dispatch 1 flies while experts 0 compute, and combine 0 while experts 1 compute. It pays
+so dispatch 1 flies while experts 0 compute, and combine 0 while experts 1 compute (with
+``combine_mode`` "pull", each micro-batch's partial rows are formed on the compute stream after
+its experts; the comm stream loads and sums them). It pays
 when the communication kernels run on a few SMs (``num_sms``) and leave the rest to the
 GEMMs. Either output equals the serial layer's: every token's experts and weights are the
 same, only the order of the work changes. On CPU (no streams) the same schedules run in order.
@@ -147,15 +149,20 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
         gemm_sms = max(1, num_sms(x_TH.device) - budget) if budget else None
         # the shared experts need no dispatch: they compute while the first one flies
         adds = [shared_experts(p[0], experts) for p in parts]
+        # combine_mode "pull": forming the partial rows is expert-side work (every SM), so it
+        # follows the experts on the compute stream; the comm stream only loads and sums them
+        pull = transports[0].cfg.combine_mode == "pull"
         ys, computed = [], []
-        for h, s, ev in zip(handles, scratches, dispatched):
+        for t, h, s, ev in zip(transports, handles, scratches, dispatched):
             compute.wait_event(ev)
             ys.append(run_experts(handle=h, experts=experts, scratch=s, num_sms=gemm_sms))
+            if pull:
+                ys[-1] = t.combine_send(ys[-1], h)
             computed.append(torch.cuda.Event())
             computed[-1].record(compute)
         with torch.cuda.stream(comm):
             for (a, b), t, h, y, add, ev in zip(bounds, transports, handles, ys, adds, computed):
                 comm.wait_event(ev)
-                out[a:b] = t.combine(y, h, out_dtype, add, fused=fused)
+                out[a:b] = t.combine_recv(y, out_dtype, add) if pull else t.combine(y, h, out_dtype, add, fused=fused)
         compute.wait_stream(comm)
         return out

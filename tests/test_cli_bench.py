@@ -214,6 +214,13 @@ def test_nvshmem_backend_without_gpus_is_one_line(capsys, monkeypatch):
     assert "--backend nvshmem needs GPU workers" in err and "--backend torch" in err and "Traceback" not in err
 
 
+def test_pull_combine_across_nodes_is_one_line(capsys):
+    # refused by the config before any worker starts
+    assert cli.main(["bench", "--topology", "2x2", "--backend", "torch", "--combine-mode", "pull", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "combine_mode 'pull'" in err and "n_nodes = 2" in err and "Traceback" not in err
+
+
 def test_sm_budget_sweep_flag():
     assert runner.sm_budgets("24") == [24]
     assert runner.sm_budgets("16, 24,all") == [16, 24, None]

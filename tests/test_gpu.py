@@ -99,6 +99,33 @@ def test_preset_against_reference(cluster, preset, dtype, tokens):
         cluster.call_workers("drop_group", name)
 
 
+@pytest.mark.parametrize("dtype,num_sms,micro_batches", [("bf16", None, 1), ("fp8", 8, 2)],
+                         ids=["bf16-all", "fp8-8sms-mb2"])
+def test_pull_combine_against_reference(cluster, dtype, num_sms, micro_batches):
+    # combine_mode "pull": partial rows stay on the rank that formed them, the sources load them;
+    # with 2 micro-batches the layer forms them on the compute stream and loads them on the comm one
+    if cluster.config.n_nodes > 1:
+        pytest.skip("combine_mode 'pull' is for one node (the config refuses several)")
+    name = f"test/pull/{dtype}/{num_sms}/{micro_batches}"
+    cluster.call_workers("add_group", name, _group_cfg(cluster, "deepseek-v3", dtype, combine_mode="pull",
+                                                       num_sms=num_sms, micro_batches=micro_batches))
+    try:
+        for routing in ("uniform", "skewed"):
+            for fused in (True, False):
+                counts = [64, 0, 32, 1][: cluster.world_size] if routing == "skewed" else 64
+                res = cluster.call_workers("check", group=name, num_tokens=counts, routing=routing, fused=fused,
+                                           seed=13, rounds=1)
+                worst = max(r["rel"] for r in res)
+                assert worst <= TOL, f"{routing} fused={fused}: rel error {worst:.3e} > {TOL}"
+        for fused in (True, False):  # back-to-back rounds: no rank overwrites rows a source still loads
+            soak = cluster.run(run_row, "soak", group=name, rounds=200, num_tokens=256, routing="skewed", fused=fused)
+            assert sum(r["misplaced_rows"] for r in soak) == 0
+            worst = max(r["max_rel_error"] for r in soak)
+            assert worst <= SOAK_TOL, f"soak fused={fused}: rel error {worst:.3e}"
+    finally:
+        cluster.call_workers("drop_group", name)
+
+
 # fp8 experts (e4m3 weights, one scale per 128 x 128 block; activations quantised per 128
 # channels): the reference models those roundings, but the kernels sum each K block in another
 # order than its fp32 matmul, and where that tips a bf16 rounding of h the SwiGLU value can land
@@ -239,6 +266,22 @@ def test_cuda_graph_replays(cluster, dtype, fused):
         pytest.skip("graph capture is checked on one node (NVLink stores)")
     name = f"test/graph/{dtype}/{fused}"
     cluster.call_workers("add_group", name, _group_cfg(cluster, "deepseek-v3", dtype))
+    try:
+        res = cluster.run(_graph_rounds, name, fused, 200)
+        assert sum(r["misplaced_rows"] for r in res) == 0
+        worst = max(r["max_rel_error"] for r in res)
+        assert worst <= SOAK_TOL, f"rel error {worst:.3e}"
+    finally:
+        cluster.call_workers("drop_group", name)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
+def test_cuda_graph_replays_pulling_the_combine(cluster, fused):
+    if cluster.config.n_nodes > 1:
+        pytest.skip("combine_mode 'pull' is for one node")
+    name = f"test/graph-pull/{fused}"
+    cluster.call_workers("add_group", name, _group_cfg(cluster, "deepseek-v3", "bf16", combine_mode="pull",
+                                                       num_sms=8))
     try:
         res = cluster.run(_graph_rounds, name, fused, 200)
         assert sum(r["misplaced_rows"] for r in res) == 0

@@ -426,6 +426,58 @@ def test_three_rounds(R, dispatch, combine, align):
                 assert ws.counters.tolist() == [0, 0, 0, 0] and int(ws.status.abs().sum()) == 0
 
 
+# combine_mode "pull": each rank keeps its partial rows, the sources load them (kernel and twin)
+PULL_CASES = [(2, "bf16", "bf16", 1), (4, "fp8", "fp32", 4), (8, "bf16", "bf16", 1)]
+
+
+@pytest.mark.parametrize("R,dispatch,combine,align", PULL_CASES,
+                         ids=[f"R{r}-{d}-{c}-A{a}" for r, d, c, a in PULL_CASES])
+def test_three_rounds_pulling_the_combine(R, dispatch, combine, align):
+    cfg = make_cfg(R, dispatch, combine, align, combine_mode="pull")
+    sims = sims_for(cfg)
+    for rnd, routing in enumerate(["skewed", "uniform", "skewed"]):
+        inp = make_round(cfg, tokens_for(R, 500 + rnd), seed=5000 * R + rnd, routing=routing,
+                         mask=0.25 if rnd == 2 else 0.0)
+        run_round(cfg, sims, inp)
+        for sim in sims:
+            for ws in sim.world.workspaces:
+                assert ws.epochs.tolist() == [rnd + 1, rnd + 1]
+                assert ws.counters.tolist() == [0, 0, 0, 0] and int(ws.status.abs().sum()) == 0
+
+
+def test_pulled_partial_rows_stay_on_their_rank():
+    """Pull: a rank's send writes only its own buffer (every source's rows there), never a peer's."""
+    R = 4
+    cfg = make_cfg(R, "bf16", "fp32", combine_mode="pull")
+    sim = Sim(cfg, KERNEL)
+    inp = make_round(cfg, [5, 3, 6, 2], seed=41, routing="skewed")
+    handles = sim.dispatch(inp)
+    ys = sim.run_experts(handles)
+    for b in sim.world.bufs:
+        b.local["combine.recv.x"].fill_(7.0)
+    writer = 2
+    C.combine_send(cfg=cfg, y_MH=ys[writer], handle=handles[writer], bufs=sim.world.bufs[writer],
+                   ws=sim.world.workspaces[writer])
+    for r, b in enumerate(sim.world.bufs):
+        rows = b.local["combine.recv.x"]
+        if r != writer:
+            assert bool((rows == 7.0).all()), f"rank {r}'s partial rows were written by rank {writer}"
+    want = C.combine_partials_torch(cfg=cfg, rank=writer, y_MH=ys[writer],
+                                    src_offsets_RL=handles[writer].recv.src_offsets_RL,
+                                    counts_R=handles[writer].recv.recv_counts_R, meta_rows=handles[writer].meta_rows,
+                                    row_base_R=torch.arange(R, device=device) * cfg.max_tokens_per_rank)
+    own = sim.world.bufs[writer].local["combine.recv.x"]
+    for s in range(R):
+        n = want[s].shape[0]
+        torch.testing.assert_close(own[s, :n].float().cpu(), want[s].float().cpu(), atol=1e-5, rtol=1e-5)
+        assert bool((own[s, n:] == 7.0).all()), f"rows past source {s}'s {n} were written"
+
+
+def test_pull_combine_needs_one_node():
+    with pytest.raises(ValueError, match="combine_mode 'pull'.*one node.*n_nodes = 2"):
+        make_cfg(4, nodes=2, combine_mode="pull")
+
+
 @pytest.mark.parametrize("dispatch,expert", [("fp8", "bf16"), ("nvfp4", "bf16"), ("bf16", "fp8")])
 def test_expert_kernels_convert_the_receive_regions(dispatch, expert):
     # rows that reach the GEMMs in the other tensor-core dtype are converted once per receive
@@ -710,10 +762,11 @@ def test_missing_sender_times_out_in_dispatch(world_size, impl):
         assert time.monotonic() - start < QUICK_S
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize("impl", [KERNEL, TWIN], ids=lambda i: i.name)
-def test_missing_sender_times_out_in_combine(impl):
+def test_missing_sender_times_out_in_combine(impl, mode):
     R = 4
-    cfg = make_cfg(R, "bf16", "fp32", recv_timeout_s=TIMEOUT_S)
+    cfg = make_cfg(R, "bf16", "fp32", recv_timeout_s=TIMEOUT_S, combine_mode=mode)
     sim = Sim(cfg, impl)
     inp = make_round(cfg, [3, 2, 4, 1], seed=25)
     handles = sim.dispatch(inp)

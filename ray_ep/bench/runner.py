@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import ray
 from tqdm import tqdm
 
-from ..config import EPConfig
+from ..config import EPConfig, describe_config_error
 from ..driver import EPCluster
 from ..errors import EPInputError
 from .loops import row_bytes, run_row
@@ -111,7 +111,8 @@ class BenchResult:
             lines.append(f"# TFLOP/s beside the device's dense peak: {peaks['bf16']:.0f} bf16, {peaks['fp8']:.0f} fp8")
         if self.meta:
             lines.append(f"# {self.meta.get('device', '?')} x{self.meta.get('world_size', '?')}, "
-                         f"commit {self.meta.get('commit', '?')}, {self.meta.get('iters', '?')} iterations")
+                         f"commit {self.meta.get('commit', '?')}, {self.meta.get('iters', '?')} iterations, "
+                         f"combine by {self.meta.get('combine_mode', 'push')}")
         return "\n".join(lines)
 
     def to_json(self, path: str) -> None:
@@ -395,6 +396,7 @@ def _meta(cluster: EPCluster, iters: int) -> dict:
     meta = {"device": info[0].get("gpu", "cpu"), "world_size": cluster.world_size,
             "n_nodes": cluster.config.n_nodes, "gpus_per_node": cluster.config.gpus_per_node,
             "sms": info[0].get("sms"), "backend": cluster.backend, "iters": iters, "commit": commit,
+            "combine_mode": cluster.config.combine_mode,
             "versions": {"torch": torch.__version__, "triton": triton.__version__, "ray": ray.__version__}}
     try:
         from importlib.metadata import version
@@ -499,7 +501,7 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
         first = edt == expert_dtypes[0]
         cfg = EPConfig.preset(spec["model"], **{**spec.get("overrides", {}), **dict(
             n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node, max_tokens_per_rank=n_max, dispatch_dtype=dt,
-            num_sms=num_sms, recv_timeout_s=base.recv_timeout_s, expert_dtype=edt)})
+            num_sms=num_sms, recv_timeout_s=base.recv_timeout_s, expert_dtype=edt, combine_mode=base.combine_mode)})
         sms_label = str(num_sms or device_sms or "-")
         name = f"bench/{p}/{dt}/{num_sms or 'all'}/{edt}"
         bar.start(f"{p} {dt}{f' at {num_sms} SMs' if num_sms else ''}: allocating buffers")
@@ -585,6 +587,9 @@ def add_arguments(parser) -> None:
                         help="SM budget of the communication kernels, or a comma list (a sweep, e.g. 16,24,32; "
                              "'all' = no budget)")
     parser.add_argument("--split", action="store_true", help="time the split send/recv forms instead of fused")
+    parser.add_argument("--combine-mode", dest="combine_mode", choices=("push", "pull"), default="push",
+                        help="EPConfig.combine_mode of ray_ep's rows: push (default), or pull (one node: partial "
+                             "rows formed on every SM, loaded by their sources on the --num-sms budget)")
     parser.add_argument("--layer", action="store_true",
                         help="also time whole MoE layers (experts included), the experts alone and their grouped "
                              "GEMMs beside torch's")
@@ -680,8 +685,12 @@ def run_from_args(args) -> int:
     presets = args.preset or (["deepseek-v3-prefill"] if gpus else ["tiny"])
     first = BENCH_PRESETS[presets[0]]
     backend = "torch" if (args.backend or "").split(",") == ["torch"] else "auto"
-    cfg = EPConfig.preset(first["model"], n_nodes=n_nodes, gpus_per_node=per_node, backend=backend,
-                          max_tokens_per_rank=first["tokens"])
+    try:
+        cfg = EPConfig.preset(first["model"], n_nodes=n_nodes, gpus_per_node=per_node, backend=backend,
+                              max_tokens_per_rank=first["tokens"], combine_mode=args.combine_mode)
+    except ValueError as e:  # pydantic's ValidationError: a flag combination the config refuses
+        print(f"ray-ep bench: {describe_config_error(e)}", file=sys.stderr)
+        return 2
     backends = args.backend.split(",") if args.backend else None
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
     dtypes = args.dispatch_dtype.split(",") if args.dispatch_dtype else None

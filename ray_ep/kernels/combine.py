@@ -31,6 +31,7 @@ from ..validation import check_tensor
 from ._shmem import other_node, put_bytes, quiet, signal, staged
 from ._sync import last_program_done, peer_ptr, release_signals, wait_signals
 from ._util import comm_tile, interpreted, launch, remote_meta, timeouts
+from ._util import num_sms as sm_count
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 
@@ -41,9 +42,10 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
                   rank, R, L, N, H, ranks_per_node, K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr,
                   BJ: tl.constexpr,
                   BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr,
-                  EMULATE: tl.constexpr):
+                  EMULATE: tl.constexpr, PULL: tl.constexpr):
     """Weighted partial sum of each received row's local experts, stored back at its source
-    (on this node), or staged in this rank's ``combine.send`` rows and put to it (other nodes)."""
+    (on this node), or staged in this rank's ``combine.send`` rows and put to it (other nodes);
+    PULL: kept in this rank's own ``combine.recv`` rows, where the sources load it."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # consecutive blocks belong to different sources, so every wave of programs writes to
@@ -58,7 +60,8 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
         if first < n_src:  # sources with fewer blocks leave gaps
             src = (pos_b + rank + 1) % R
             _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, off_x, off_sx, src, first,
-                           n_src, rank, L, N, H, ranks_per_node, K, K_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE)
+                           n_src, rank, L, N, H, ranks_per_node, K, K_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE,
+                           PULL)
     if REMOTE:
         quiet(EMULATE)  # delivered before this program counts itself done (the signals follow)
 
@@ -67,7 +70,8 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
 def _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, off_x, off_sx, src, first, n_src,
                    rank, L, N, H, ranks_per_node, K: tl.constexpr, K_PAD: tl.constexpr, BJ: tl.constexpr,
                    BLOCK_H: tl.constexpr,
-                   OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
+                   OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
+                   PULL: tl.constexpr):
     """Rows first .. first + BJ - 1 (below n_src) of those received from ``src``."""
     kk = tl.arange(0, K_PAD)
     i = first + tl.arange(0, BJ)
@@ -80,7 +84,9 @@ def _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, o
     here = mk & (ids >= 0) & (e >= 0) & (e < L)
     pos = tl.load(src_offsets_ptr + src * L + e, mask=here, other=0) + tl.load(meta + K, mask=here, other=0)
     w = tl.load(meta + 2 * K, mask=here, other=0).to(tl.float32, bitcast=True)
-    if other_node(rank, src, ranks_per_node):  # the staging row that mirrors the destination row
+    if PULL:  # this rank's own row src * N + i: the source loads it
+        dst = peer_ptr(peer_bases_ptr, rank, off_x, OUT_DTYPE) + j[:, None] * H
+    elif other_node(rank, src, ranks_per_node):  # the staging row that mirrors the destination row
         dst = peer_ptr(peer_bases_ptr, rank, off_sx, OUT_DTYPE) + j[:, None] * H
     else:
         dst = peer_ptr(peer_bases_ptr, src, off_x, OUT_DTYPE) + (rank * N + i)[:, None].to(tl.int64) * H
@@ -118,9 +124,11 @@ def _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, value, R_PA
 
 
 @triton.jit
-def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R,
-              R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum over ranks d of recv[d * N + slot[t, d]] (+ add[t]), fp32 accumulation."""
+def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr, off_x, rank,
+              R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
+              PULL: tl.constexpr):
+    """out[t] = sum over ranks d of recv[d * N + slot[t, d]] (+ add[t]), fp32 accumulation;
+    PULL: of rank d's own row ``rank * N + slot[t, d]``, loaded from its block over NVLink."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for blk in range(pid, tl.cdiv(T, BT), nprog):
@@ -133,8 +141,13 @@ def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, 
             for d in tl.static_range(R_PAD):  # unrolled: every rank's row in flight at once
                 slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R), other=-1)
                 ok = slot >= 0
-                rows = (d * N + slot).to(tl.int64)
-                v = tl.load(recv_ptr + rows[:, None] * H + cols[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
+                if PULL:
+                    src_ptr = peer_ptr(peer_bases_ptr, d % R, off_x, recv_ptr.dtype.element_ty)
+                    rows = (rank * N + slot).to(tl.int64)
+                else:
+                    src_ptr = recv_ptr
+                    rows = (d * N + slot).to(tl.int64)
+                v = tl.load(src_ptr + rows[:, None] * H + cols[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
                 acc += v.to(tl.float32)
             if HAS_ADD:
                 acc += tl.load(add_ptr + toks[:, None].to(tl.int64) * stride_add + cols[None, :],
@@ -148,22 +161,23 @@ def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts
                          epochs_ptr, send_counter_ptr, off_x, off_signal, off_sx, rank, R, L, N, H, ranks_per_node,
                          K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BJ: tl.constexpr,
                          BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr,
-                         EMULATE: tl.constexpr):
+                         EMULATE: tl.constexpr, PULL: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
-                  rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE)
+                  rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE, PULL)
     if last_program_done(send_counter_ptr):
         _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "rank"])
 def _combine_recv_kernel(signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
-                         epochs_ptr, recv_counter_ptr, status_ptr, T, N, H, R, timeout_ns, max_spins,
-                         R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr, BLOCK_HS: tl.constexpr,
-                         USE_TIMER: tl.constexpr):
+                         epochs_ptr, recv_counter_ptr, status_ptr, peer_bases_ptr, off_x, rank, T, N, H, R, timeout_ns,
+                         max_spins, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr,
+                         BLOCK_HS: tl.constexpr, USE_TIMER: tl.constexpr, PULL: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
-        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, R_PAD, HAS_ADD, BT, BLOCK_HS)
+        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr, off_x,
+                  rank, R_PAD, HAS_ADD, BT, BLOCK_HS, PULL)
     if last_program_done(recv_counter_ptr):
         tl.store(epochs_ptr, epoch + 1)
 
@@ -179,11 +193,12 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
                           XB: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
-                  rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE)
+                  rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE, False)
     if last_program_done(send_counter_ptr):
         _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
-        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, R_PAD, HAS_ADD, BT, BLOCK_HS)
+        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr, off_x,
+                  rank, R_PAD, HAS_ADD, BT, BLOCK_HS, False)
     if last_program_done(recv_counter_ptr):
         tl.store(epochs_ptr, epoch + 1)
 
@@ -197,6 +212,10 @@ _TL_DTYPES = {"bf16": tl.bfloat16, "fp32": tl.float32}
 # Prefill bf16 combine at 24 / 16 SMs: 2x H200 4096 channels against 1024, 779 -> 610 / 1115 ->
 # 881 us; 4x H200 4096 against 2048, 1170 -> 1069 / 1694 -> 1564 us
 SUM_CHANNELS = {2: 4096, 4: 4096, 8: 1024}
+# a pulling sum (combine_mode "pull") waits on loads over NVLink, not HBM: 1024 channels per
+# step. 4x H200, prefill (4 x 4096 tokens), one-process microbenchmark of the pull at 24 / 16
+# programs: 8 rows x 1024 channels 569 / 712 us, x 2048 645 / 807, x 4096 929 / 1279
+PULL_SUM_CHANNELS = 1024
 _WIRE_BYTES = {"bf16": 2, "fp32": 4}
 
 
@@ -224,7 +243,8 @@ def _send_named(cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs:
                 send_counter_ptr=ws.counters[COUNTER_COMBINE_SEND:], rank=bufs.rank, L=cfg.experts_per_rank,
                 ranks_per_node=cfg.gpus_per_node, **bufs.combine.send_args(), **_common_args(cfg, bufs, ws))
     meta = dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), BJ=rows,
-                OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype], XB=_WIRE_BYTES[cfg.combine_dtype], **remote_meta(cfg))
+                OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype], XB=_WIRE_BYTES[cfg.combine_dtype], **remote_meta(cfg),
+                PULL=cfg.combine_mode == "pull")
     return args, meta
 
 
@@ -251,8 +271,8 @@ def _tile(cfg: EPConfig, bufs: SymmetricBuffers, budget: int | None, tokens: int
     r_pad = triton.next_power_of_2(cfg.world_size)
     rows, channels, warps = comm_tile(cfg.hidden_size, bufs.device, budget, "combine", tokens=tokens)
     # the sum holds R_PAD rows' steps in flight per token
-    _, sum_channels, _ = comm_tile(cfg.hidden_size, bufs.device, budget, "combine",
-                                   channels=SUM_CHANNELS.get(r_pad, 8192 // r_pad), tokens=tokens)
+    step = PULL_SUM_CHANNELS if cfg.combine_mode == "pull" else SUM_CHANNELS.get(r_pad, 8192 // r_pad)
+    _, sum_channels, _ = comm_tile(cfg.hidden_size, bufs.device, budget, "combine", channels=step, tokens=tokens)
     return rows, dict(BLOCK_H=channels, R_PAD=r_pad), dict(BLOCK_HS=sum_channels, R_PAD=r_pad), warps
 
 
@@ -261,9 +281,13 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
     """Return expert outputs to their sources (split form; :func:`combine_recv` completes).
 
     y_MH [>= M_cap, H] bf16: expert outputs in the handle's expert-major order.
+    combine_mode "pull": form the partial rows in this rank's own buffer (a pass over the
+    expert outputs, on every SM whatever the budget: expert-side work) and tell the sources.
     """
     _check_y(cfg, y_MH, bufs.device)
     budget = num_sms or cfg.num_sms
+    if cfg.combine_mode == "pull":
+        budget = sm_count(bufs.device)  # the whole GPU, in whole-SM programs
     rows, tile, _, warps = _tile(cfg, bufs, budget, handle.num_tokens)
     args, meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
     # the host does not know how many rows arrived: a grid the SMs hold at once, looping over the live blocks
@@ -279,6 +303,8 @@ def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffer
     budget = num_sms or cfg.num_sms
     rows, _, tile, warps = _tile(cfg, bufs, budget, handle.num_tokens)
     args, meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
+    args.update(peer_bases_ptr=bufs.combine.peer_bases_ptr, off_x=bufs.combine.off_x, rank=bufs.rank)
+    meta["PULL"] = cfg.combine_mode == "pull"
     launch(_combine_recv_kernel, work=triton.cdiv(handle.num_tokens, rows), device=bufs.device,
            budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
     if check:
@@ -290,7 +316,12 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
                   ws: Workspace, out_dtype: torch.dtype = torch.bfloat16, add_TH: torch.Tensor | None = None,
                   num_sms: int | None = None, check: bool = True) -> torch.Tensor:
     """Send partial rows and sum the arrivals in one launch (GPU; all ranks at once).
-    Arguments as :func:`combine_send` and :func:`combine_recv`."""
+    Arguments as :func:`combine_send` and :func:`combine_recv`. combine_mode "pull" runs the
+    two halves (its partial rows must all be formed before any source loads them)."""
+    if cfg.combine_mode == "pull":
+        combine_send(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, num_sms=num_sms)
+        return combine_recv(cfg=cfg, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype, add_TH=add_TH,
+                            num_sms=num_sms, check=check)
     _check_y(cfg, y_MH, bufs.device)
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     budget = num_sms or cfg.num_sms
@@ -298,6 +329,7 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
     send_args, send_meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
     recv_args, recv_meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
     work = max(triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), triton.cdiv(handle.num_tokens, rows))
+    send_meta.pop("PULL")
     launch(_combine_fused_kernel, work=work, device=bufs.device, budget=budget, resident=True,
            args={**send_args, **recv_args}, meta={**send_meta, **recv_meta, **send_tile, **sum_tile}, warps=warps)
     if check:
@@ -354,9 +386,12 @@ def combine_send_torch(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHan
                                     counts_R=handle.recv.recv_counts_R, meta_rows=handle.meta_rows,
                                     row_base_R=row_base)
     epoch = int(ws.epochs[EPOCH_COMBINE])
+    pull = cfg.combine_mode == "pull"
     for s, peer in enumerate(bufs.peers):
         n = partials[s].shape[0]
-        peer["combine.recv.x"][me, :n] = partials[s].to(peer["combine.recv.x"].dtype)
+        # pull: row me * N + i of source s's buffer becomes row s * N + i of this rank's own
+        rows = bufs.local["combine.recv.x"][s] if pull else peer["combine.recv.x"][me]
+        rows[:n] = partials[s].to(rows.dtype)
         peer["combine.recv_count.signal"][me] = epoch + 1
 
 
@@ -374,7 +409,10 @@ def combine_recv_torch(*, cfg: EPConfig, handle: DispatchHandle, bufs: Symmetric
     else:
         N = cfg.max_tokens_per_rank
         row_base = torch.arange(cfg.world_size, device=bufs.device) * N
-        out = combine_sum_torch(rows_MH=v["combine.recv.x"].view(-1, cfg.hidden_size), row_base_R=row_base,
+        rows = v["combine.recv.x"]
+        if cfg.combine_mode == "pull":  # rank d's rows for this rank, in its own buffer
+            rows = torch.stack([peer["combine.recv.x"][bufs.rank] for peer in bufs.peers])
+        out = combine_sum_torch(rows_MH=rows.view(-1, cfg.hidden_size), row_base_R=row_base,
                               token_slots_TR=handle.layout.token_slots_TR, out_dtype=out_dtype, add_TH=add_TH)
     ws.epochs[EPOCH_COMBINE] += 1  # as the kernel: the round is over, failed or not
     if check:
