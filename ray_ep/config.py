@@ -347,6 +347,11 @@ class BufferPlan:
         return "\n".join(rows)
 
 
+# combine_mode "pull": rows per readiness flag (each block of partial rows a rank forms is
+# announced to its source as soon as it is stored, so the source's loads start before the pass ends)
+PULL_BLOCK_ROWS = 8
+
+
 def plan_buffers(cfg: EPConfig) -> BufferPlan:
     """The symmetric buffers one rank needs for ``cfg``.
 
@@ -372,6 +377,9 @@ def plan_buffers(cfg: EPConfig) -> BufferPlan:
         ("combine.recv.x", (R, N, H), cfg.combine_dtype),
         ("combine.recv_count.signal", (R,), "int64"),
     ]
+    if cfg.combine_mode == "pull":
+        # per rank that holds this rank's partial rows: the epoch each block of rows is ready in
+        specs.append(("combine.ready.signal", (R, -(-N // PULL_BLOCK_ROWS)), "int64"))
     if fp8:
         specs.insert(1, ("dispatch.send.scales", (N, H // FP8_GROUP), "fp32"))
         specs.insert(5, ("dispatch.recv.scales", (R, N, H // FP8_GROUP), "fp32"))

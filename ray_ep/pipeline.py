@@ -152,14 +152,20 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
         # combine_mode "pull": forming the partial rows is expert-side work (every SM), so it
         # follows the experts on the compute stream; the comm stream only loads and sums them
         pull = transports[0].cfg.combine_mode == "pull"
+        # under a budget the receive may start before its rows are formed (it loads each block
+        # once flagged, on its SMs, while the rest form them); without one its programs would
+        # fill every SM first and wait for rows that could then never be formed
+        early = pull and budget is not None and budget < num_sms(x_TH.device)
         ys, computed = [], []
         for t, h, s, ev in zip(transports, handles, scratches, dispatched):
             compute.wait_event(ev)
             ys.append(run_experts(handle=h, experts=experts, scratch=s, num_sms=gemm_sms))
-            if pull:
+            if pull and not early:
                 ys[-1] = t.combine_send(ys[-1], h)
             computed.append(torch.cuda.Event())
             computed[-1].record(compute)
+            if early:
+                ys[-1] = t.combine_send(ys[-1], h)
         with torch.cuda.stream(comm):
             for (a, b), t, h, y, add, ev in zip(bounds, transports, handles, ys, adds, computed):
                 comm.wait_event(ev)

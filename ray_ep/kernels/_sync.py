@@ -124,3 +124,42 @@ def wait_signals(signal_ptr, R, target, status_ptr, timeout_ns, max_spins,
         tl.atomic_or(status_ptr, _STATUS_TIMEOUT)
         tl.store(status_ptr + 1 + src, 1, mask=pending)
     return silent == 0
+
+
+@triton.jit
+def wait_blocks(first_flag_ptrs, last_flag_ptrs, need, target, status_ptr, timeout_ns, max_spins,
+                R_PAD: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Spin until, for every rank d with ``need[d]``, both flags (the first and the last block
+    of rows about to be loaded from d) are >= target (acquire, system scope).
+
+    Returns True when all are ready. Once any program of the launch has timed out
+    (STATUS_TIMEOUT set) it returns False at once; on its own timeout it sets that bit and
+    status[1 + d] for each rank still silent, as :func:`wait_signals` does.
+    """
+    src = tl.arange(0, R_PAD)
+    failed = (tl.load(status_ptr, volatile=True) & _STATUS_TIMEOUT) != 0
+    pending = need & (failed == 0)
+    a = tl.atomic_add(first_flag_ptrs, 0, mask=pending, sem="acquire", scope="sys")
+    b = tl.atomic_add(last_flag_ptrs, 0, mask=pending, sem="acquire", scope="sys")
+    pending = pending & ((a < target) | (b < target))
+    start = now_ns(USE_TIMER)
+    spins = 0
+    expired = 0
+    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (expired == 0):
+        a = tl.load(first_flag_ptrs, mask=pending, other=0, volatile=True)
+        b = tl.load(last_flag_ptrs, mask=pending, other=0, volatile=True)
+        pending = pending & ((a < target) | (b < target))
+        spins += 1
+        if USE_TIMER:
+            expired = ((now_ns(USE_TIMER) - start) > timeout_ns).to(tl.int32)
+        else:
+            expired = (spins > max_spins).to(tl.int32)
+    # acquire: the rows the peers stored before their flags are visible now
+    tl.atomic_add(first_flag_ptrs, 0, mask=need & (failed == 0), sem="acquire", scope="sys")
+    tl.atomic_add(last_flag_ptrs, 0, mask=need & (failed == 0), sem="acquire", scope="sys")
+    tl.debug_barrier()
+    silent = tl.max(pending.to(tl.int32), axis=0)
+    if silent > 0:
+        tl.atomic_or(status_ptr, _STATUS_TIMEOUT)
+        tl.store(status_ptr + 1 + src, 1, mask=pending)
+    return (silent == 0) & (failed == 0)

@@ -151,21 +151,31 @@ class CombineBuffers:
     off_x: int
     off_signal: int
     off_sx: int
+    off_ready: int
     signal_ptr: torch.Tensor
     recv_ptr: torch.Tensor
+    ready_ptr: torch.Tensor
 
     @classmethod
     def of(cls, bufs: SymmetricBuffers) -> "CombineBuffers":
         v = bufs.local
+        # combine_mode "pull" only: readiness flags of the peers' blocks (else the signals stand in, unused)
+        pull = "combine.ready.signal" in v
         return cls(peer_bases_ptr=bufs.peer_bases, off_x=bufs.offset("combine.recv.x"),
                    off_signal=bufs.offset("combine.recv_count.signal"), off_sx=bufs.offset("combine.send.x"),
-                   signal_ptr=v["combine.recv_count.signal"], recv_ptr=v["combine.recv.x"])
+                   off_ready=bufs.offset("combine.ready.signal") if pull else 0,
+                   signal_ptr=v["combine.recv_count.signal"], recv_ptr=v["combine.recv.x"],
+                   ready_ptr=v["combine.ready.signal" if pull else "combine.recv_count.signal"])
 
     def send_args(self) -> dict:
         return {k: getattr(self, k) for k in ("peer_bases_ptr", "off_x", "off_signal", "off_sx")}
 
     def recv_args(self) -> dict:
         return {k: getattr(self, k) for k in ("signal_ptr", "recv_ptr")}
+
+    def pull_args(self) -> dict:
+        """The receive's extra arguments of combine_mode "pull" (the peers' rows and flags)."""
+        return {k: getattr(self, k) for k in ("peer_bases_ptr", "off_x", "ready_ptr")}
 
 
 @dataclass(frozen=True)

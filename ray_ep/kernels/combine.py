@@ -24,12 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import EPConfig
+from ..config import PULL_BLOCK_ROWS, EPConfig
 from ..errors import EPInputError
 from ..types import DispatchHandle
 from ..validation import check_tensor
 from ._shmem import other_node, put_bytes, quiet, signal, staged
-from ._sync import last_program_done, peer_ptr, release_signals, wait_signals
+from ._sync import last_program_done, peer_ptr, release_signals, wait_blocks, wait_signals
 from ._util import comm_tile, interpreted, launch, remote_meta, timeouts
 from ._util import num_sms as sm_count
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
@@ -39,13 +39,14 @@ from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE,
 # ---- device code ---------------------------------------------------------------------------
 @triton.jit
 def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
-                  rank, R, L, N, H, ranks_per_node, K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr,
-                  BJ: tl.constexpr,
+                  off_ready, epoch, rank, R, L, N, H, ranks_per_node, K: tl.constexpr, K_PAD: tl.constexpr,
+                  R_PAD: tl.constexpr, BJ: tl.constexpr,
                   BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr,
-                  EMULATE: tl.constexpr, PULL: tl.constexpr):
+                  EMULATE: tl.constexpr, PULL: tl.constexpr, PB: tl.constexpr):
     """Weighted partial sum of each received row's local experts, stored back at its source
     (on this node), or staged in this rank's ``combine.send`` rows and put to it (other nodes);
-    PULL: kept in this rank's own ``combine.recv`` rows, where the sources load it."""
+    PULL: kept in this rank's own ``combine.recv`` rows, where the sources load it, each block
+    announced to its source (flag ``epoch + 1``) once stored (BJ == PB rows)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # consecutive blocks belong to different sources, so every wave of programs writes to
@@ -62,6 +63,10 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
             _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, off_x, off_sx, src, first,
                            n_src, rank, L, N, H, ranks_per_node, K, K_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE,
                            PULL)
+            if PULL:  # every thread's rows are stored: tell the source this block is ready
+                tl.debug_barrier()
+                flag = peer_ptr(peer_bases_ptr, src, off_ready, tl.int64) + rank * ((N + PB - 1) // PB) + first // PB
+                tl.atomic_xchg(flag, epoch + 1, sem="release", scope="sys")
     if REMOTE:
         quiet(EMULATE)  # delivered before this program counts itself done (the signals follow)
 
@@ -125,16 +130,29 @@ def _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, value, R_PA
 
 @triton.jit
 def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr, off_x, rank,
+              ready_ptr, target, status_ptr, timeout_ns, max_spins,
               R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
-              PULL: tl.constexpr):
+              PULL: tl.constexpr, PB: tl.constexpr, USE_TIMER: tl.constexpr):
     """out[t] = sum over ranks d of recv[d * N + slot[t, d]] (+ add[t]), fp32 accumulation;
-    PULL: of rank d's own row ``rank * N + slot[t, d]``, loaded from its block over NVLink."""
+    PULL: of rank d's own row ``rank * N + slot[t, d]``, loaded from its block over NVLink once
+    d has flagged the blocks of rows this block of tokens needs (BT <= PB: a token block's
+    slots on d are consecutive, so they span at most two of d's blocks)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for blk in range(pid, tl.cdiv(T, BT), nprog):
         toks = blk * BT + tl.arange(0, BT)
         tm = toks < T
-        for h0 in range(0, H, BLOCK_H):
+        h_end = H
+        if PULL:
+            dd = tl.arange(0, R_PAD)
+            sl = tl.load(slots_ptr + toks[:, None] * R + dd[None, :], mask=tm[:, None] & (dd[None, :] < R), other=-1)
+            hi = tl.max(sl, axis=0)
+            lo = tl.min(tl.where(sl >= 0, sl, N), axis=0)
+            flags = ready_ptr + dd * ((N + PB - 1) // PB)
+            ready = wait_blocks(flags + lo // PB, flags + hi // PB, hi >= 0, target, status_ptr, timeout_ns,
+                                max_spins, R_PAD, USE_TIMER)
+            h_end = tl.where(ready, H, 0)  # a peer timed out: no loads (the launcher raises)
+        for h0 in range(0, h_end, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             cm = cols < H
             acc = tl.zeros((BT, BLOCK_H), dtype=tl.float32)
@@ -158,26 +176,31 @@ def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, 
 
 @triton.jit(do_not_specialize=["rank"])
 def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr,
-                         epochs_ptr, send_counter_ptr, off_x, off_signal, off_sx, rank, R, L, N, H, ranks_per_node,
+                         epochs_ptr, send_counter_ptr, off_x, off_signal, off_sx, off_ready, rank, R, L, N, H,
+                         ranks_per_node,
                          K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BJ: tl.constexpr,
                          BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr,
-                         EMULATE: tl.constexpr, PULL: tl.constexpr):
+                         EMULATE: tl.constexpr, PULL: tl.constexpr, PB: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
-                  rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE, PULL)
+                  off_ready, epoch, rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB,
+                  REMOTE, EMULATE, PULL, PB)
     if last_program_done(send_counter_ptr):
-        _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
+        if not PULL:  # pull: the blocks' flags are the signals
+            _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
 
 
 @triton.jit(do_not_specialize=["T", "rank"])
 def _combine_recv_kernel(signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
-                         epochs_ptr, recv_counter_ptr, status_ptr, peer_bases_ptr, off_x, rank, T, N, H, R, timeout_ns,
-                         max_spins, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr,
-                         BLOCK_HS: tl.constexpr, USE_TIMER: tl.constexpr, PULL: tl.constexpr):
+                         epochs_ptr, recv_counter_ptr, status_ptr, peer_bases_ptr, off_x, ready_ptr, rank, T, N, H, R,
+                         timeout_ns, max_spins, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr,
+                         BLOCK_HS: tl.constexpr, USE_TIMER: tl.constexpr, PULL: tl.constexpr, PB: tl.constexpr):
     epoch = tl.load(epochs_ptr)
-    if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
+    # pull: each block of tokens waits for the blocks of partial rows it loads, not for whole ranks
+    if PULL or wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
         _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr, off_x,
-                  rank, R_PAD, HAS_ADD, BT, BLOCK_HS, PULL)
+                  rank, ready_ptr, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, HAS_ADD, BT, BLOCK_HS, PULL,
+                  PB, USE_TIMER)
     if last_program_done(recv_counter_ptr):
         tl.store(epochs_ptr, epoch + 1)
 
@@ -193,12 +216,14 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
                           XB: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
-                  rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE, False)
+                  0, epoch, rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE,
+                  EMULATE, False, 1)
     if last_program_done(send_counter_ptr):
         _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
         _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr, off_x,
-                  rank, R_PAD, HAS_ADD, BT, BLOCK_HS, False)
+                  rank, signal_ptr, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, HAS_ADD, BT, BLOCK_HS, False,
+                  1, USE_TIMER)
     if last_program_done(recv_counter_ptr):
         tl.store(epochs_ptr, epoch + 1)
 
@@ -282,14 +307,21 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
 
     y_MH [>= M_cap, H] bf16: expert outputs in the handle's expert-major order.
     combine_mode "pull": form the partial rows in this rank's own buffer (a pass over the
-    expert outputs, on every SM whatever the budget: expert-side work) and tell the sources.
+    expert outputs: expert-side work, on the SMs the budget leaves to the experts, every SM
+    without a budget) and flag each block of them to its source.
     """
     _check_y(cfg, y_MH, bufs.device)
     budget = num_sms or cfg.num_sms
-    if cfg.combine_mode == "pull":
-        budget = sm_count(bufs.device)  # the whole GPU, in whole-SM programs
+    pull = cfg.combine_mode == "pull"
+    if pull:  # whole-SM programs on every SM the budget leaves (all of them without one)
+        sms = sm_count(bufs.device)
+        budget = sms - budget if budget and budget < sms else sms
     rows, tile, _, warps = _tile(cfg, bufs, budget, handle.num_tokens)
+    if pull:
+        rows = PULL_BLOCK_ROWS  # one readiness flag per block
     args, meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
+    args["off_ready"] = bufs.combine.off_ready
+    meta["PB"] = PULL_BLOCK_ROWS
     # the host does not know how many rows arrived: a grid the SMs hold at once, looping over the live blocks
     launch(_combine_send_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), device=bufs.device,
            budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
@@ -297,14 +329,22 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
 
 def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
                  out_dtype: torch.dtype = torch.bfloat16, add_TH: torch.Tensor | None = None,
-                 num_sms: int | None = None, check: bool = True) -> torch.Tensor:
-    """Wait for every rank's partial rows and sum them per token. Returns out_TH [T, H]."""
-    out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
+                 num_sms: int | None = None, check: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Wait for every rank's partial rows and sum them per token. Returns out_TH [T, H]
+    (``out``: that tensor, allocated by the caller, e.g. on another stream).
+
+    combine_mode "pull": each block of tokens waits only for the blocks of rows it loads, so a
+    silent rank fails the ranks that need rows from it."""
+    if out is None:
+        out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     budget = num_sms or cfg.num_sms
     rows, _, tile, warps = _tile(cfg, bufs, budget, handle.num_tokens)
+    pull = cfg.combine_mode == "pull"
+    if pull:
+        rows = min(rows, PULL_BLOCK_ROWS)  # a block of tokens loads from at most two flagged blocks per rank
     args, meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
-    args.update(peer_bases_ptr=bufs.combine.peer_bases_ptr, off_x=bufs.combine.off_x, rank=bufs.rank)
-    meta["PULL"] = cfg.combine_mode == "pull"
+    args.update(bufs.combine.pull_args(), rank=bufs.rank)
+    meta.update(PULL=pull, PB=PULL_BLOCK_ROWS)
     launch(_combine_recv_kernel, work=triton.cdiv(handle.num_tokens, rows), device=bufs.device,
            budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
     if check:
@@ -317,11 +357,10 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
                   num_sms: int | None = None, check: bool = True) -> torch.Tensor:
     """Send partial rows and sum the arrivals in one launch (GPU; all ranks at once).
     Arguments as :func:`combine_send` and :func:`combine_recv`. combine_mode "pull" runs the
-    two halves (its partial rows must all be formed before any source loads them)."""
+    two halves, see :func:`_pull_combine`."""
     if cfg.combine_mode == "pull":
-        combine_send(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, num_sms=num_sms)
-        return combine_recv(cfg=cfg, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype, add_TH=add_TH,
-                            num_sms=num_sms, check=check)
+        return _pull_combine(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype,
+                             add_TH=add_TH, num_sms=num_sms, check=check)
     _check_y(cfg, y_MH, bufs.device)
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     budget = num_sms or cfg.num_sms
@@ -329,9 +368,42 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
     send_args, send_meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
     recv_args, recv_meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
     work = max(triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), triton.cdiv(handle.num_tokens, rows))
-    send_meta.pop("PULL")
+    del send_meta["PULL"]
     launch(_combine_fused_kernel, work=work, device=bufs.device, budget=budget, resident=True,
            args={**send_args, **recv_args}, meta={**send_meta, **recv_meta, **send_tile, **sum_tile}, warps=warps)
+    if check:
+        check_status(ws, bufs.rank, "combine")
+    return out
+
+
+_pull_streams: dict[int, torch.cuda.Stream] = {}  # one per device, reused
+
+
+def _pull_combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers,
+                  ws: Workspace, out_dtype: torch.dtype, add_TH: torch.Tensor | None, num_sms: int | None,
+                  check: bool) -> torch.Tensor:
+    """combine_mode "pull": form the partial rows, then load and sum them (the budget).
+
+    Under an SM budget on a GPU the two overlap: the pass forming the rows takes the SMs the
+    budget leaves, and the receive, on a side stream, loads each block as soon as it is flagged.
+    (The pass is launched first, so no module loads while a receive spins; and its programs
+    never wait, so the receive's programs find SMs however the two are scheduled.)"""
+    budget = num_sms or cfg.num_sms
+    common = dict(cfg=cfg, handle=handle, bufs=bufs, ws=ws)
+    if not budget or budget >= sm_count(bufs.device) or bufs.device.type != "cuda" or interpreted():
+        combine_send(y_MH=y_MH, num_sms=num_sms, **common)
+        return combine_recv(out_dtype=out_dtype, add_TH=add_TH, num_sms=num_sms, check=check, **common)
+    out = _out(handle, cfg, out_dtype, add_TH, bufs.device)  # on the caller's stream, which joins below
+    main = torch.cuda.current_stream(bufs.device)
+    key = bufs.device.index if bufs.device.index is not None else torch.cuda.current_device()
+    if key not in _pull_streams:
+        _pull_streams[key] = torch.cuda.Stream(device=key)
+    side = _pull_streams[key]
+    side.wait_stream(main)  # the inputs are ready
+    combine_send(y_MH=y_MH, num_sms=num_sms, **common)
+    with torch.cuda.stream(side):
+        combine_recv(out_dtype=out_dtype, add_TH=add_TH, num_sms=num_sms, check=False, out=out, **common)
+    main.wait_stream(side)
     if check:
         check_status(ws, bufs.rank, "combine")
     return out
@@ -392,7 +464,10 @@ def combine_send_torch(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHan
         # pull: row me * N + i of source s's buffer becomes row s * N + i of this rank's own
         rows = bufs.local["combine.recv.x"][s] if pull else peer["combine.recv.x"][me]
         rows[:n] = partials[s].to(rows.dtype)
-        peer["combine.recv_count.signal"][me] = epoch + 1
+        if pull:  # each block of rows it formed is flagged, not the rank as a whole
+            peer["combine.ready.signal"][me, :triton.cdiv(n, PULL_BLOCK_ROWS)] = epoch + 1
+        else:
+            peer["combine.recv_count.signal"][me] = epoch + 1
 
 
 def combine_recv_torch(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
@@ -402,7 +477,12 @@ def combine_recv_torch(*, cfg: EPConfig, handle: DispatchHandle, bufs: Symmetric
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     v = bufs.local
     epoch = int(ws.epochs[EPOCH_COMBINE])
-    silent = v["combine.recv_count.signal"] < epoch + 1
+    if cfg.combine_mode == "pull":  # a rank is silent if a block this rank loads from it is not flagged
+        slots = handle.layout.token_slots_TR.long()
+        flags = v["combine.ready.signal"].gather(1, (slots.clamp(min=0) // PULL_BLOCK_ROWS).T)
+        silent = ((flags < epoch + 1) & (slots.T >= 0)).any(dim=1)
+    else:
+        silent = v["combine.recv_count.signal"] < epoch + 1
     if bool(silent.any()):
         ws.status[0] |= STATUS_TIMEOUT
         ws.status[1:][silent] = 1
