@@ -106,9 +106,10 @@ class EPConfig(BaseModel):
     push: the rank that ran the experts forms each partial row (the router-weighted sum of a
     received token's local experts) and stores it in its source's buffer; ``num_sms`` covers it
     all. pull (one node only): the partial rows are formed in the rank's own buffer by a pass on
-    every SM (expert-side work, outside ``num_sms``), then each source loads its rows from the
-    peers over NVLink and sums them on ``num_sms`` SMs. It pays under an SM budget: 4x H200
-    prefill, 24 SMs, the budgeted part of combine drops from the whole push to the pull."""
+    the SMs ``num_sms`` leaves (every SM without a budget: expert-side work), each block flagged
+    to its source as it is stored; each source loads its rows from the peers over NVLink and
+    sums them on ``num_sms`` SMs, starting as the blocks arrive. It pays under an SM budget (4x
+    H200 prefill at 24 SMs: 733 us against 1068 push; without a budget 796 against 555)."""
     expert_alignment: int = Field(default=1, gt=0)
     """Rows of each local expert's segment are padded to a multiple of this."""
     backend: Literal["auto", "nvshmem", "torch"] = "auto"
