@@ -79,19 +79,24 @@ def test_ranks_sit_on_their_nodes(cluster):
 
 @pytest.mark.parametrize("preset,dtype,tokens", CASES, ids=[f"{p}-{d}" for p, d, _ in CASES])
 def test_preset_against_reference(cluster, preset, dtype, tokens):
-    name = f"test/{preset}/{dtype}"
-    cluster.call_workers("add_group", name, _group_cfg(cluster, preset, dtype))
+    _check_against_reference(cluster, f"test/{preset}/{dtype}", _group_cfg(cluster, preset, dtype), tokens, seed=11)
+
+
+def _check_against_reference(cluster, name: str, cfg: EPConfig, tokens: int, seed: int) -> None:
+    """On a worker group of ``cfg``: the layer against the reference (uniform and skewed token
+    counts, fused and split), then 200 back-to-back dispatch + combine rounds (fused and split)
+    with no misplaced row and every round trip within SOAK_TOL."""
+    cluster.call_workers("add_group", name, cfg)
     try:
         for routing in ("uniform", "skewed"):
             for fused in (True, False):
                 counts = [tokens, 0, tokens // 2, 1][: cluster.world_size] if routing == "skewed" else tokens
                 res = cluster.call_workers("check", group=name, num_tokens=counts, routing=routing, fused=fused,
-                                           seed=11, rounds=1)
+                                           seed=seed, rounds=1)
                 worst = max(r["rel"] for r in res)
                 assert worst <= TOL, f"{routing} fused={fused}: rel error {worst:.3e} > {TOL}"
-        for fused in (True, False):
-            soak = cluster.run(run_row, "soak", group=name, rounds=200, num_tokens=256, routing="skewed",
-                                        fused=fused)
+        for fused in (True, False):  # back-to-back rounds: no rank overwrites rows a peer still reads
+            soak = cluster.run(run_row, "soak", group=name, rounds=200, num_tokens=256, routing="skewed", fused=fused)
             assert sum(r["misplaced_rows"] for r in soak) == 0
             worst = max(r["max_rel_error"] for r in soak)
             assert worst <= SOAK_TOL, f"soak fused={fused}: rel error {worst:.3e}"
@@ -106,24 +111,8 @@ def test_pull_combine_against_reference(cluster, dtype, num_sms, micro_batches):
     # with 2 micro-batches the layer forms them on the compute stream and loads them on the comm one
     if cluster.config.n_nodes > 1:
         pytest.skip("combine_mode 'pull' is for one node (the config refuses several)")
-    name = f"test/pull/{dtype}/{num_sms}/{micro_batches}"
-    cluster.call_workers("add_group", name, _group_cfg(cluster, "deepseek-v3", dtype, combine_mode="pull",
-                                                       num_sms=num_sms, micro_batches=micro_batches))
-    try:
-        for routing in ("uniform", "skewed"):
-            for fused in (True, False):
-                counts = [64, 0, 32, 1][: cluster.world_size] if routing == "skewed" else 64
-                res = cluster.call_workers("check", group=name, num_tokens=counts, routing=routing, fused=fused,
-                                           seed=13, rounds=1)
-                worst = max(r["rel"] for r in res)
-                assert worst <= TOL, f"{routing} fused={fused}: rel error {worst:.3e} > {TOL}"
-        for fused in (True, False):  # back-to-back rounds: no rank overwrites rows a source still loads
-            soak = cluster.run(run_row, "soak", group=name, rounds=200, num_tokens=256, routing="skewed", fused=fused)
-            assert sum(r["misplaced_rows"] for r in soak) == 0
-            worst = max(r["max_rel_error"] for r in soak)
-            assert worst <= SOAK_TOL, f"soak fused={fused}: rel error {worst:.3e}"
-    finally:
-        cluster.call_workers("drop_group", name)
+    cfg = _group_cfg(cluster, "deepseek-v3", dtype, combine_mode="pull", num_sms=num_sms, micro_batches=micro_batches)
+    _check_against_reference(cluster, f"test/pull/{dtype}/{num_sms}/{micro_batches}", cfg, 64, seed=13)
 
 
 # fp8 experts (e4m3 weights, one scale per 128 x 128 block; activations quantised per 128
@@ -264,8 +253,13 @@ def _graph_rounds(worker, group: str, fused: bool, rounds: int) -> dict:
 def test_cuda_graph_replays(cluster, dtype, fused):
     if cluster.config.n_nodes > 1:
         pytest.skip("graph capture is checked on one node (NVLink stores)")
-    name = f"test/graph/{dtype}/{fused}"
-    cluster.call_workers("add_group", name, _group_cfg(cluster, "deepseek-v3", dtype))
+    _check_graph_replays(cluster, f"test/graph/{dtype}/{fused}", _group_cfg(cluster, "deepseek-v3", dtype), fused)
+
+
+def _check_graph_replays(cluster, name: str, cfg: EPConfig, fused: bool) -> None:
+    """200 replays of :func:`_graph_rounds` on a worker group of ``cfg``: no misplaced row,
+    every output within SOAK_TOL."""
+    cluster.call_workers("add_group", name, cfg)
     try:
         res = cluster.run(_graph_rounds, name, fused, 200)
         assert sum(r["misplaced_rows"] for r in res) == 0
@@ -279,16 +273,8 @@ def test_cuda_graph_replays(cluster, dtype, fused):
 def test_cuda_graph_replays_pulling_the_combine(cluster, fused):
     if cluster.config.n_nodes > 1:
         pytest.skip("combine_mode 'pull' is for one node")
-    name = f"test/graph-pull/{fused}"
-    cluster.call_workers("add_group", name, _group_cfg(cluster, "deepseek-v3", "bf16", combine_mode="pull",
-                                                       num_sms=8))
-    try:
-        res = cluster.run(_graph_rounds, name, fused, 200)
-        assert sum(r["misplaced_rows"] for r in res) == 0
-        worst = max(r["max_rel_error"] for r in res)
-        assert worst <= SOAK_TOL, f"rel error {worst:.3e}"
-    finally:
-        cluster.call_workers("drop_group", name)
+    _check_graph_replays(cluster, f"test/graph-pull/{fused}",
+                         _group_cfg(cluster, "deepseek-v3", "bf16", combine_mode="pull", num_sms=8), fused)
 
 
 def _graph_silent_peer(worker, silent_rank: int, group: str):

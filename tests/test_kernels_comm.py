@@ -412,12 +412,15 @@ ROUND_CASES = [
 @pytest.mark.parametrize("R,dispatch,combine,align", ROUND_CASES,
                          ids=[f"R{r}-{d}-{c}-A{a}" for r, d, c, a in ROUND_CASES])
 def test_three_rounds(R, dispatch, combine, align):
-    cfg = make_cfg(R, dispatch, combine, align)
+    three_rounds(make_cfg(R, dispatch, combine, align), ["uniform", "skewed", "uniform"], 100 * R, 1000 * R)
+
+
+def three_rounds(cfg: EPConfig, routings: list[str], token_seed: int, seed: int) -> None:
+    """Three rounds on the same buffers (epochs), kernel and twin against the reference: fresh
+    inputs and token counts each round, the last round masking some slots."""
     sims = sims_for(cfg)
-    routings = ["uniform", "skewed", "uniform"]
-    for rnd in range(3):
-        # fresh inputs and token counts each round; the last round masks some slots
-        inp = make_round(cfg, tokens_for(R, 100 * R + rnd), seed=1000 * R + rnd, routing=routings[rnd],
+    for rnd, routing in enumerate(routings):
+        inp = make_round(cfg, tokens_for(cfg.world_size, token_seed + rnd), seed=seed + rnd, routing=routing,
                          mask=0.25 if rnd == 2 else 0.0)
         run_round(cfg, sims, inp)
         for sim in sims:
@@ -433,16 +436,8 @@ PULL_CASES = [(2, "bf16", "bf16", 1), (4, "fp8", "fp32", 4), (8, "bf16", "bf16",
 @pytest.mark.parametrize("R,dispatch,combine,align", PULL_CASES,
                          ids=[f"R{r}-{d}-{c}-A{a}" for r, d, c, a in PULL_CASES])
 def test_three_rounds_pulling_the_combine(R, dispatch, combine, align):
-    cfg = make_cfg(R, dispatch, combine, align, combine_mode="pull")
-    sims = sims_for(cfg)
-    for rnd, routing in enumerate(["skewed", "uniform", "skewed"]):
-        inp = make_round(cfg, tokens_for(R, 500 + rnd), seed=5000 * R + rnd, routing=routing,
-                         mask=0.25 if rnd == 2 else 0.0)
-        run_round(cfg, sims, inp)
-        for sim in sims:
-            for ws in sim.world.workspaces:
-                assert ws.epochs.tolist() == [rnd + 1, rnd + 1]
-                assert ws.counters.tolist() == [0, 0, 0, 0] and int(ws.status.abs().sum()) == 0
+    three_rounds(make_cfg(R, dispatch, combine, align, combine_mode="pull"), ["skewed", "uniform", "skewed"], 500,
+                 5000 * R)
 
 
 def test_pulled_partial_rows_stay_on_their_rank():
