@@ -285,6 +285,20 @@ def test_json_round_trip_and_plots(tmp_path):
     assert (tmp_path / "sweep.png").stat().st_size > 1000 and (tmp_path / "gpu.png").stat().st_size > 1000
 
 
+def test_table_says_the_sms_each_launch_used(tmp_path):
+    # a pull combine at 24 SMs: the pass on the 108 SMs the budget leaves, the receive on 24
+    pull = _row(backend="ray_ep", op="combine", sms="24",
+                launches=[["_combine_send_kernel", 108, 108], ["_combine_recv_kernel", 24, 24]])
+    res = bench.BenchResult(rows=[pull, _row()], meta={"device": "x", "combine_mode": "pull"})
+    lines = res.table().splitlines()
+    assert "SMs used" in lines[0]
+    assert "  108/24 " in lines[2] and lines[2].split()[9] == "108/24"
+    assert lines[3].split()[9] == "-"  # nothing recorded (the torch pipeline)
+    assert lines[-1].endswith("combine by pull")
+    res.to_json(str(tmp_path / "r.json"))
+    assert bench.BenchResult.from_json(str(tmp_path / "r.json")).rows[0].launches == pull.launches
+
+
 def test_plot_of_an_sm_budget_sweep_draws_each_budget(tmp_path):
     # a published --num-sms all,24,16 run: every (dtype, budget) is a series of its own, not
     # three budgets drawn over one another

@@ -32,6 +32,7 @@ from ray_ep import reference  # noqa: E402
 from ray_ep.config import FP8_GROUP, NVFP4_BLOCK, EPConfig  # noqa: E402
 from ray_ep.errors import EPInputError, EPOverflowError, EPTimeoutError  # noqa: E402
 from ray_ep.kernels import combine as C  # noqa: E402
+from ray_ep.kernels._util import recorded_launches  # noqa: E402
 from ray_ep.kernels import dispatch as D  # noqa: E402
 from ray_ep.kernels.buffers import check_status  # noqa: E402
 from ray_ep.kernels.experts import ExpertScratch, LocalExperts, run_experts_torch, shared_experts  # noqa: E402
@@ -466,6 +467,21 @@ def test_pulled_partial_rows_stay_on_their_rank():
         n = want[s].shape[0]
         torch.testing.assert_close(own[s, :n].float().cpu(), want[s].float().cpu(), atol=1e-5, rtol=1e-5)
         assert bool((own[s, n:] == 7.0).all()), f"rows past source {s}'s {n} were written"
+
+
+@pytest.mark.parametrize("mode,sends", [("push", 1), ("pull", 3)])
+def test_launches_report_programs_and_sms(mode, sends):
+    # a budget of 1 of the interpreter's 4 stand-in SMs: push sends on the budget, pull forms
+    # its partial rows on the 3 SMs the budget leaves; both receive on the budget
+    cfg = make_cfg(4, "bf16", "bf16", num_sms=1, combine_mode=mode)
+    sim = Sim(cfg, KERNEL)
+    inp = make_round(cfg, [9, 7, 8, 6], seed=61)
+    handles = sim.dispatch(inp)
+    ys = sim.run_experts(handles)
+    with recorded_launches() as launches:
+        sim.combine(handles, ys, [None] * 4)
+    got = [(r.kernel, r.programs, r.sms) for r in launches]
+    assert got == [("_combine_send_kernel", sends, sends)] * 4 + [("_combine_recv_kernel", 1, 1)] * 4
 
 
 def test_pull_combine_needs_one_node():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ from ..errors import EPInputError
 from ..fp8 import dequantize_fp8_torch, quantize_fp8_torch
 from ..nvfp4 import dequantize_nvfp4_torch, quantize_nvfp4_torch
 from ..inputs import rank_inputs
+from ..kernels._util import recorded_launches
 from ..kernels.experts import run_experts, shared_experts
 from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_torch
 from ..pipeline import moe_layer, moe_micro_batched
@@ -53,6 +54,9 @@ class RankTimes:
     """Layer rows: floating-point operations of this rank's two expert GEMMs (real rows only)."""
     weight_bytes: int = 0
     """Layer rows: bytes of this rank's routed expert weights (each GEMM reads them at least once)."""
+    launches: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)
+    """Per op: (kernel, programs, SMs occupied) of each communication kernel launch of one call
+    (ray_ep's kernels; empty for the torch backend)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,20 +158,25 @@ def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, 
                                                     rank)
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"dispatch": [], "combine": []}
+    launches = {}
     with t.deferred_checks():  # no host sync inside the timed region
         for i in range(warmup + iters):
             x, ids, w = inputs[i % sets]
             s = clock.start()
-            h = t.dispatch(x, ids, w, fused=fused)
+            with recorded_launches() as rec:
+                h = t.dispatch(x, ids, w, fused=fused)
             d_us = clock.stop(s)
+            launches.setdefault("dispatch", [astuple(r) for r in rec])
             y = identity_outputs(h)
             s = clock.start()
-            t.combine(y, h, torch.bfloat16, fused=fused)
+            with recorded_launches() as rec:
+                t.combine(y, h, torch.bfloat16, fused=fused)
             c_us = clock.stop(s)
+            launches.setdefault("combine", [astuple(r) for r in rec])
             if i >= warmup:
                 times["dispatch"].append(d_us)
                 times["combine"].append(c_us)
-    return RankTimes(rank, times, remote, received, err, bad)
+    return RankTimes(rank, times, remote, received, err, bad, launches=launches)
 
 
 def bench_comm_graphs(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, num_tokens: int, routing: str,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -43,6 +45,36 @@ MAX_BLOCKS_PER_SM = 32
 SHARED_BYTES_PER_SM = 227 * 1024  # the most one SM gives to thread blocks (of 228 KiB)
 
 _resident: dict[tuple, int] = {}  # programs per SM that fit at once, per compiled variant
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """One communication kernel launch: its programs and the SMs they occupy at once (programs
+    over the programs one SM holds, at most the device's SMs; 4 stand-ins on a CPU)."""
+
+    kernel: str
+    programs: int
+    sms: int
+
+
+_recorders: list[list[LaunchRecord]] = []
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Collect a :class:`LaunchRecord` of every :func:`launch` inside the block (this thread's
+    and any other's: use it around one call at a time). Example::
+
+        with recorded_launches() as launches:
+            transport.combine(y, handle, torch.bfloat16)
+        [(r.kernel, r.programs, r.sms) for r in launches]
+    """
+    records: list[LaunchRecord] = []
+    _recorders.append(records)
+    try:
+        yield records
+    finally:
+        _recorders.remove(records)
 
 
 def _occupancy(compiled) -> int:
@@ -89,6 +121,7 @@ def launch(kernel, *, work: int, device: torch.device, budget: int | None, resid
     - otherwise one program per piece, and the hardware keeps every SM full.
 
     ``args`` and ``meta`` (constexprs) are the kernel's parameters by name (see :func:`check_names`).
+    Inside :func:`recorded_launches` the launch is recorded (programs, SMs).
     """
     check_names(kernel, args, meta)
     sms = num_sms(device)
@@ -107,6 +140,11 @@ def launch(kernel, *, work: int, device: torch.device, budget: int | None, resid
     compiled = kernel[(max(1, grid),)](**args, **meta, num_warps=warps, **extra)
     if key not in _resident and torch.device(device).type == "cuda" and compiled is not None:
         _resident[key] = _occupancy(compiled)
+    if _recorders:
+        programs = max(1, grid)
+        record = LaunchRecord(kernel.fn.__name__, programs, min(sms, -(-programs // _resident.get(key, 1))))
+        for records in _recorders:
+            records.append(record)
 
 
 def remote_meta(cfg) -> dict:
