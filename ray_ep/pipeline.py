@@ -149,8 +149,8 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
         gemm_sms = max(1, num_sms(x_TH.device) - budget) if budget else None
         # the shared experts need no dispatch: they compute while the first one flies
         adds = [shared_experts(p[0], experts) for p in parts]
-        # combine_mode "pull": forming the partial rows is expert-side work (every SM), so it
-        # follows the experts on the compute stream; the comm stream only loads and sums them
+        # combine_mode "pull": forming the partial rows is expert-side work (on the SMs the budget
+        # leaves), so it follows the experts on the compute stream; the comm stream loads and sums
         pull = transports[0].cfg.combine_mode == "pull"
         # under a budget the receive may start before its rows are formed (it loads each block
         # once flagged, on its SMs, while the rest form them); without one its programs would
