@@ -33,12 +33,10 @@ from typing import Sequence
 
 import torch
 
-from .kernels._util import num_sms
+from .kernels._util import num_sms, side_stream
 from .kernels.experts import ExpertScratch, LocalExperts, run_experts, shared_experts
 from .transport.base import Transport
 from .types import DispatchHandle
-
-_side_streams: dict[int, torch.cuda.Stream] = {}  # one side stream per device, reused
 
 
 def micro_batch_bounds(num_tokens: int, parts: int) -> list[tuple[int, int]]:
@@ -56,13 +54,6 @@ def micro_batch_bounds(num_tokens: int, parts: int) -> list[tuple[int, int]]:
 def micro_batch_tokens(max_tokens_per_rank: int, parts: int) -> int:
     """The most tokens one micro-batch can hold (its transport's max_tokens_per_rank)."""
     return -(-max_tokens_per_rank // parts)
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=device)
-    return _side_streams[index]
 
 
 def _deferring(transports: Sequence[Transport]) -> contextlib.ExitStack:
@@ -101,7 +92,7 @@ def moe_layer(t: Transport, scratch: ExpertScratch, experts: LocalExperts, x_TH:
         h = t.dispatch(x_TH, topk_ids_TK, topk_weights_TK, fused=fused)
         if add is not None:
             # launched after the dispatch, so its blocks reach the SMs first
-            side = _side_stream(x_TH.device)
+            side = side_stream(x_TH.device)
             side.wait_event(inputs_ready)
             with torch.cuda.stream(side):
                 shared_experts(x_TH, experts, out=add)
@@ -135,7 +126,7 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
                 out[a:b] = t.combine(y, h, out_dtype, shared_experts(p[0], experts), fused=fused)
             return out
         compute = torch.cuda.current_stream(x_TH.device)
-        comm = _side_stream(x_TH.device)
+        comm = side_stream(x_TH.device)
         comm.wait_stream(compute)  # the inputs (and the buffers' last users) are ready
         handles, dispatched = [], []
         with torch.cuda.stream(comm):
@@ -159,13 +150,14 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
         ys, computed = [], []
         for t, h, s, ev in zip(transports, handles, scratches, dispatched):
             compute.wait_event(ev)
-            ys.append(run_experts(handle=h, experts=experts, scratch=s, num_sms=gemm_sms))
+            y = run_experts(handle=h, experts=experts, scratch=s, num_sms=gemm_sms)
             if pull and not early:
-                ys[-1] = t.combine_send(ys[-1], h)
+                y = t.combine_send(y, h)  # before the event: the receive waits for the whole pass
             computed.append(torch.cuda.Event())
             computed[-1].record(compute)
             if early:
-                ys[-1] = t.combine_send(ys[-1], h)
+                y = t.combine_send(y, h)
+            ys.append(y)  # pull: the pending receive instead of the expert outputs
         with torch.cuda.stream(comm):
             for (a, b), t, h, y, add, ev in zip(bounds, transports, handles, ys, adds, computed):
                 comm.wait_event(ev)

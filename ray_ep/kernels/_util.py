@@ -29,6 +29,19 @@ def num_sms(device: torch.device | str) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device | str) -> torch.cuda.Stream:
+    """One side stream per CUDA device, made once and reused (the layer's shared experts and
+    communication, the pull combine's receive)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams[index]
+
+
 COMM_WARPS = 4  # warps per row of a communication kernel's tile (see comm_tile)
 # rows per program and channels per step under an SM budget (see comm_tile)
 BUDGET_ROWS = {"dispatch": 8, "combine": 8}

@@ -30,7 +30,7 @@ from ..types import DispatchHandle
 from ..validation import check_tensor
 from ._shmem import other_node, put_bytes, quiet, signal, staged
 from ._sync import last_program_done, peer_ptr, release_signals, wait_blocks, wait_signals
-from ._util import comm_tile, interpreted, launch, remote_meta, timeouts
+from ._util import comm_tile, interpreted, launch, remote_meta, side_stream, timeouts
 from ._util import num_sms as sm_count
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
@@ -376,9 +376,6 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
     return out
 
 
-_pull_streams: dict[int, torch.cuda.Stream] = {}  # one per device, reused
-
-
 def _pull_combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers,
                   ws: Workspace, out_dtype: torch.dtype, add_TH: torch.Tensor | None, num_sms: int | None,
                   check: bool) -> torch.Tensor:
@@ -395,10 +392,7 @@ def _pull_combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
         return combine_recv(out_dtype=out_dtype, add_TH=add_TH, num_sms=num_sms, check=check, **common)
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)  # on the caller's stream, which joins below
     main = torch.cuda.current_stream(bufs.device)
-    key = bufs.device.index if bufs.device.index is not None else torch.cuda.current_device()
-    if key not in _pull_streams:
-        _pull_streams[key] = torch.cuda.Stream(device=key)
-    side = _pull_streams[key]
+    side = side_stream(bufs.device)
     side.wait_stream(main)  # the inputs are ready
     combine_send(y_MH=y_MH, num_sms=num_sms, **common)
     with torch.cuda.stream(side):
