@@ -4,9 +4,8 @@ fp32 per-tensor scale) and back, as Triton kernels.
 Legend: T rows, H channels, P = H / 2 packed bytes, B = H / 16 scale blocks.
 
 The format and its rounding are defined in :mod:`ray_ep.nvfp4` (whose torch functions are the
-twins of these kernels). Hopper has no fp4 type: codes are built and unpacked with integer ops,
-the block scales go through ``tl.float8e4nv`` only after being rounded onto the e4m3 grid in
-fp32 (see :func:`ray_ep.kernels.quant.round_to_e4m3`), so the conversion itself is exact.
+twins of these kernels). Hopper has no fp4 type: codes are built and unpacked with integer ops;
+the block scales are rounded to e4m3 by :func:`ray_ep.kernels.quant.to_e4m3`.
 The device helpers :func:`quantize_nvfp4_tile`, :func:`e2m1_to_f32` and :func:`e4m3_bits_to_f32`
 are shared with the dispatch send and the grouped GEMM.
 """
@@ -20,7 +19,7 @@ import triton.language as tl
 from ..config import E2M1_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_SCALE
 from ..nvfp4 import check_dequantize_inputs, check_quantize_inputs
 from ._util import tile_shape
-from .quant import round_to_e4m3
+from .quant import to_e4m3
 
 _BLOCK = tl.constexpr(NVFP4_BLOCK)
 _E2M1_MAX = tl.constexpr(E2M1_MAX)
@@ -30,18 +29,18 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 @triton.jit
 def e2m1_codes(v):
     """int32 codes 0..7 of fp32 magnitudes v >= 0 on the e2m1 grid {0, 0.5, 1, 1.5, 2, 3, 4,
-    6}, rounded to nearest even and saturating at 6, in a few integer ops on the bits instead
-    of a compare per grid midpoint (7; the nvfp4 dispatch with every SM went 137.8 -> 129.5 us,
-    2x H200). From 1 up, e2m1 is fp32 with one mantissa bit: round the bits to it
-    (add half an ulp less one, plus the kept bit for ties) and read exponent and bit as one
-    number (1.0 is 254 -> code 2). Below 1, two midpoints: 0.25 rounds down, 0.75 up (to the
-    even 1.0); for v >= 0 the bits order as the values do.
+    6}, rounded to nearest even and saturating at 6, in a few ops instead of a compare per
+    grid midpoint. Below 2 the grid steps by 0.5 and the codes count the steps: the code is 2v
+    rounded to an integer, which fp32 does itself when 1.5 * 2^23 (where its ulp is 1) is
+    added (the sum's bits less those of 1.5 * 2^23). From 2 up, e2m1 is fp32 with one
+    mantissa bit: round the bits to it (add half an ulp less one, plus the kept bit for ties)
+    and read exponent and bit as one number (2.0 is 256 -> code 4). Integer parity is
+    mantissa parity on both sides, so ties go to the even code.
     Example: 0.75 -> 2 (1.0), 1.25 -> 2, 1.75 -> 4 (2.0), 2.6 -> 5 (3.0), 9.0 -> 7 (6.0)."""
+    small = (v * 2.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # 0x4B400000: 1.5 * 2^23
     bits = v.to(tl.int32, bitcast=True)
     normal = tl.minimum(((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252, 7)
-    # 0x3E800000, 0x3F400000, 0x3F800000: the bits of 0.25, 0.75 and 1.0
-    small = (bits > 0x3E800000).to(tl.int32) + (bits >= 0x3F400000).to(tl.int32)
-    return tl.where(bits < 0x3F800000, small, normal)
+    return tl.where(bits < 0x40000000, small, normal)  # 0x40000000: the bits of 2.0
 
 
 @triton.jit
@@ -57,7 +56,8 @@ def quantize_nvfp4_tile(x, g):
     b = tl.reshape(x, (ROWS, C // _BLOCK, _BLOCK))
     amax = tl.max(tl.abs(b), axis=2)
     six_g = tl.full(amax.shape, _E2M1_MAX, tl.float32) * g
-    s = round_to_e4m3(tl.minimum(tl.math.div_rn(amax, six_g), _FP8_MAX))  # on the e4m3 grid, >= 0
+    s8 = to_e4m3(tl.minimum(tl.math.div_rn(amax, six_g), _FP8_MAX))  # >= 0
+    s = s8.to(tl.float32)
     d = s * g
     pos = d > 0
     inv = tl.where(pos, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(pos, d, 1.0)), 0.0)
@@ -66,8 +66,7 @@ def quantize_nvfp4_tile(x, g):
     code = tl.reshape(e2m1_codes(v) | sign, (ROWS, C // 2, 2))
     lo, hi = tl.split(code)  # channel 2i in the low nibble of byte i
     packed = (lo | (hi << 4)).to(tl.uint8)
-    bits = s.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return packed, bits
+    return packed, s8.to(tl.uint8, bitcast=True)
 
 
 @triton.jit
