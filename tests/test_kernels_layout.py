@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 
 from ray_ep.errors import EPInputError  # noqa: E402
 from ray_ep.types import DispatchLayout  # noqa: E402
+from ray_ep.kernels._util import recorded_launches  # noqa: E402
 from ray_ep.kernels.layout import (block_bases, block_bases_torch, block_tokens,  # noqa: E402
                                   compute_layout, compute_layout_torch)
 
@@ -40,9 +41,9 @@ def random_ids(T, K, E, gen, masked=0.0, out_of_range=0.0):
     return ids
 
 
-def check_equal(ids_TK, R, L):
+def check_equal(ids_TK, R, L, num_sms=None):
     """Kernel and twin on ``ids_TK``; every field equal (dtype int32, on the ids' device)."""
-    got = compute_layout(topk_ids_TK=ids_TK, world_size=R, experts_per_rank=L)
+    got = compute_layout(topk_ids_TK=ids_TK, world_size=R, experts_per_rank=L, num_sms=num_sms)
     want = compute_layout_torch(topk_ids_TK=ids_TK, world_size=R, experts_per_rank=L)
     T, K = ids_TK.shape
     shapes = {"token_slots_TR": (T, R), "ordinals_TK": (T, K), "expert_counts_E": (R * L,), "rank_counts_R": (R,)}
@@ -143,6 +144,21 @@ def test_many_blocks_and_columns():
     gen = torch.Generator().manual_seed(11)
     ids = random_ids(T, K, R * L, gen, masked=0.1, out_of_range=0.05).to(device)
     check_equal(ids, R, L)
+
+
+@pytest.mark.parametrize("num_sms", [1, 3])
+def test_sm_budget_caps_every_launch(num_sms):
+    """Under an SM budget (a dispatch's num_sms) each layout launch takes at most that many
+    programs, each looping over several blocks (here 9 blocks of tokens, 5 column groups of
+    the scan), and the layout is the same."""
+    R, L, K = 4, 32, 8
+    T = 8 * block_tokens() + 3
+    gen = torch.Generator().manual_seed(num_sms)
+    ids = random_ids(T, K, R * L, gen, masked=0.1).to(device)
+    with recorded_launches() as launches:
+        check_semantics(check_equal(ids, R, L, num_sms=num_sms), ids, R, L)
+    assert [r.kernel for r in launches] == ["_layout_count_kernel", "_scan_blocks_kernel", "_layout_assign_kernel"]
+    assert all(r.programs == num_sms for r in launches), launches
 
 
 @pytest.mark.parametrize("T", [0, 1, 16, 17, 150, 1000])

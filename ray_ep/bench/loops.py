@@ -55,7 +55,7 @@ class RankTimes:
     weight_bytes: int = 0
     """Layer rows: bytes of this rank's routed expert weights (each GEMM reads them at least once)."""
     launches: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)
-    """Per op: (kernel, programs, SMs occupied) of each communication kernel launch of one call
+    """Per op: (kernel, programs, most SMs occupied) of each communication kernel launch of one call
     (ray_ep's kernels; empty for the torch backend)."""
 
     def to_dict(self) -> dict:

@@ -87,12 +87,12 @@ class BenchRow:
     weight_gbps: float | None = None
     """GEMM rows: routed expert weight bytes / median per rank (the decode bound: weights read once)."""
     launches: list = field(default_factory=list)
-    """Dispatch and combine rows of ray_ep's kernels: [kernel, programs, SMs occupied] of each
+    """Dispatch and combine rows of ray_ep's kernels: [kernel, programs, most SMs occupied] of each
     launch of one call (rank 0's), in launch order."""
 
     @property
     def sms_used(self) -> str:
-        """The SMs each launch occupied, in launch order ("108/24": a pass on 108 SMs, then a
+        """The most SMs each launch occupied, in launch order ("108/24": a pass on 108 SMs, then a
         receive on 24); '-' where nothing was recorded."""
         return "/".join(str(sms) for _, _, sms in self.launches) or "-"
 
@@ -104,7 +104,7 @@ class BenchResult:
 
     def table(self) -> str:
         head = (f"{'preset':<21}{'backend':<15}{'topo':<5}{'op':<11}{'dtype':<6}{'wts':<5}{'routing':<9}{'T/rank':>7}"
-                f"{'SMs':>5}{'SMs used':>10}{'median us':>11}{'p10':>9}{'p90':>9}{'remote GB/s':>12}{'recv GB/s':>10}"
+                f"{'SMs':>5} {'SMs used':>14}{'median us':>11}{'p10':>9}{'p90':>9}{'remote GB/s':>12}{'recv GB/s':>10}"
                 f"{'check':>10}{'TFLOP/s':>9}{'wt GB/s':>9}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
@@ -112,7 +112,7 @@ class BenchResult:
             tf = "-" if r.tflops is None else f"{r.tflops:.1f}"
             wg = "-" if r.weight_gbps is None else f"{r.weight_gbps:.0f}"
             lines.append(f"{r.preset:<21}{r.backend:<15}{r.topology:<5}{r.op:<11}{r.dtype:<6}{r.experts:<5}{r.routing:<9}"
-                         f"{r.tokens:>7}{r.sms:>5}{r.sms_used:>10}{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}"
+                         f"{r.tokens:>7}{r.sms:>5} {r.sms_used:>14}{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}"
                          f"{r.remote_gbps:>12.2f}{r.received_gbps:>10.2f}{chk:>10}{tf:>9}{wg:>9}")
         device = self.meta.get("device", "")
         peaks = {e: dense_peak(device, e) for e in ("bf16", "fp8")}

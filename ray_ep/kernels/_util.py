@@ -62,8 +62,9 @@ _resident: dict[tuple, int] = {}  # programs per SM that fit at once, per compil
 
 @dataclass(frozen=True)
 class LaunchRecord:
-    """One communication kernel launch: its programs and the SMs they occupy at once (programs
-    over the programs one SM holds, at most the device's SMs; 4 stand-ins on a CPU)."""
+    """One communication kernel launch: its programs and the most SMs they can occupy (one per
+    program, at most the device's SMs; 4 stand-ins on a CPU). Not fewer even where an SM could
+    hold several programs: the hardware spreads a small grid over idle SMs."""
 
     kernel: str
     programs: int
@@ -155,7 +156,7 @@ def launch(kernel, *, work: int, device: torch.device, budget: int | None, resid
         _resident[key] = _occupancy(compiled)
     if _recorders:
         programs = max(1, grid)
-        record = LaunchRecord(kernel.fn.__name__, programs, min(sms, -(-programs // _resident.get(key, 1))))
+        record = LaunchRecord(kernel.fn.__name__, programs, min(sms, programs))
         for records in _recorders:
             records.append(record)
 

@@ -435,15 +435,15 @@ def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchL
     itself: scanning every earlier token (LAYOUT_SCANNED, small batches) or from the bases
     of :func:`block_bases` (LAYOUT_FROM_BASES, which also gives the totals).
 
-    Under an SM budget large batches take compute_layout's launches instead: a few programs
-    would work out every token's layout one after the other (prefill at 24 programs: 900 us
-    from bases, 815 us with compute_layout)."""
+    Under an SM budget large batches take compute_layout's launches instead, on the same
+    budget: a few programs would work out every token's layout one after the other (prefill
+    at 24 programs: 900 us from bases, 815 us with compute_layout)."""
     if layout is not None:
         return layout, LAYOUT_GIVEN, None
     T, R, L = topk_ids_TK.shape[0], cfg.world_size, cfg.experts_per_rank
     dev = topk_ids_TK.device
     if T > SELF_LAYOUT_MAX_T and budget and not interpreted():
-        return compute_layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L), LAYOUT_GIVEN, None
+        return compute_layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L, num_sms=budget), LAYOUT_GIVEN, None
     if T > SELF_LAYOUT_MAX_T:
         bases, totals = block_bases(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L)
         how = LAYOUT_FROM_BASES

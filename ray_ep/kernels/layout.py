@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..types import DispatchLayout
 from ..validation import check_tensor
-from ._util import interpreted
+from ._util import interpreted, launch
 
 
 def block_tokens() -> int:
@@ -58,48 +58,61 @@ def _token_onehots(ids_ptr, stride_t, t0, T, K: tl.constexpr, L, E, R,
     return exp1h, rank1h
 
 
-@triton.jit(do_not_specialize=["T"])
-def _layout_count_kernel(ids_ptr, stride_t, T, block_counts_ptr, K: tl.constexpr, L, E, R,
+# The kernels loop over their blocks with the grid's stride, so an SM budget caps the grid
+# (launch) and any grid is correct. T and B unspecialised: no recompile per batch size.
+@triton.jit(do_not_specialize=["T", "B"])
+def _layout_count_kernel(ids_ptr, stride_t, T, B, block_counts_ptr, K: tl.constexpr, L, E, R,
                          BT: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    # block_counts [B, E + R]: tokens of this block per expert, then per destination rank
-    pid = tl.program_id(0)
-    exp1h, rank1h = _token_onehots(ids_ptr, stride_t, pid * BT, T, K, L, E, R, BT, E_PAD, R_PAD)
-    row = block_counts_ptr + pid * (E + R)
+    # block_counts [B, E + R]: tokens of each block per expert, then per destination rank
     e_idx = tl.arange(0, E_PAD)
     r_idx = tl.arange(0, R_PAD)
-    tl.store(row + e_idx, tl.sum(exp1h, axis=0), mask=e_idx < E)
-    tl.store(row + E + r_idx, tl.sum(rank1h, axis=0), mask=r_idx < R)
+    for blk in range(tl.program_id(0), B, tl.num_programs(0)):
+        exp1h, rank1h = _token_onehots(ids_ptr, stride_t, blk * BT, T, K, L, E, R, BT, E_PAD, R_PAD)
+        row = block_counts_ptr + blk * (E + R)
+        tl.store(row + e_idx, tl.sum(exp1h, axis=0), mask=e_idx < E)
+        tl.store(row + E + r_idx, tl.sum(rank1h, axis=0), mask=r_idx < R)
+
+
+@triton.jit(do_not_specialize=["B"])
+def _scan_blocks_kernel(counts_ptr, B, C, totals_ptr, BR: tl.constexpr, BC: tl.constexpr):
+    """In place: block counts [B, C] -> rows of the blocks before each block (exclusive scan
+    over blocks), BC columns at a time; the column totals go to totals [C]."""
+    for g in range(tl.program_id(0), tl.cdiv(C, BC), tl.num_programs(0)):
+        cols = g * BC + tl.arange(0, BC)
+        cm = cols < C
+        carry = tl.zeros((BC,), dtype=tl.int32)
+        for r0 in range(0, B, BR):
+            rows = r0 + tl.arange(0, BR)
+            m = (rows[:, None] < B) & cm[None, :]
+            ptr = counts_ptr + rows[:, None] * C + cols[None, :]
+            c = tl.load(ptr, mask=m, other=0)
+            tl.store(ptr, tl.cumsum(c, axis=0) - c + carry[None, :], mask=m)
+            carry += tl.sum(c, axis=0)
+        tl.store(totals_ptr + cols, carry, mask=cm)
+
+
+@triton.jit(do_not_specialize=["T", "B"])
+def _layout_assign_kernel(ids_ptr, stride_t, T, B, bases_ptr, slots_ptr, ordinals_ptr, totals_ptr,
+                          K: tl.constexpr, L, E, R, HAS_BASES: tl.constexpr,
+                          BT: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    for blk in range(tl.program_id(0), B, tl.num_programs(0)):
+        _assign_block(ids_ptr, stride_t, T, blk, bases_ptr, slots_ptr, ordinals_ptr, totals_ptr, K, L, E, R,
+                      HAS_BASES, BT, E_PAD, R_PAD)
 
 
 @triton.jit
-def _scan_blocks_kernel(counts_ptr, B, C, totals_ptr, BR: tl.constexpr, BC: tl.constexpr):
-    """In place: block counts [B, C] -> rows of the blocks before each block (exclusive scan
-    over blocks), BC columns per program; the column totals go to totals [C]."""
-    cols = tl.program_id(0) * BC + tl.arange(0, BC)
-    cm = cols < C
-    carry = tl.zeros((BC,), dtype=tl.int32)
-    for r0 in range(0, B, BR):
-        rows = r0 + tl.arange(0, BR)
-        m = (rows[:, None] < B) & cm[None, :]
-        ptr = counts_ptr + rows[:, None] * C + cols[None, :]
-        c = tl.load(ptr, mask=m, other=0)
-        tl.store(ptr, tl.cumsum(c, axis=0) - c + carry[None, :], mask=m)
-        carry += tl.sum(c, axis=0)
-    tl.store(totals_ptr + cols, carry, mask=cm)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _layout_assign_kernel(ids_ptr, stride_t, T, bases_ptr, slots_ptr, ordinals_ptr, totals_ptr,
-                          K: tl.constexpr, L, E, R, HAS_BASES: tl.constexpr,
-                          BT: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    pid = tl.program_id(0)
-    t0 = pid * BT
+def _assign_block(ids_ptr, stride_t, T, blk, bases_ptr, slots_ptr, ordinals_ptr, totals_ptr,
+                  K: tl.constexpr, L, E, R, HAS_BASES: tl.constexpr,
+                  BT: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """Slots and ordinals of block blk's tokens from its base row (the totals when it is the
+    only block)."""
+    t0 = blk * BT
     toks = t0 + tl.arange(0, BT)
     e_idx = tl.arange(0, E_PAD)
     r_idx = tl.arange(0, R_PAD)
     if HAS_BASES:  # rows of the blocks before this one (block_bases)
-        base_e = tl.load(bases_ptr + pid * (E + R) + e_idx, mask=e_idx < E, other=0)
-        base_r = tl.load(bases_ptr + pid * (E + R) + E + r_idx, mask=r_idx < R, other=0)
+        base_e = tl.load(bases_ptr + blk * (E + R) + e_idx, mask=e_idx < E, other=0)
+        base_r = tl.load(bases_ptr + blk * (E + R) + E + r_idx, mask=r_idx < R, other=0)
     else:
         base_e = tl.zeros((E_PAD,), dtype=tl.int32)
         base_r = tl.zeros((R_PAD,), dtype=tl.int32)
@@ -127,13 +140,14 @@ def _check_ids(topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int
         raise ValueError(f"world_size and experts_per_rank must be positive, got {world_size}, {experts_per_rank}")
 
 
-def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int
+def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int, num_sms: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(bases [B, E + R], totals [E + R]) for blocks of :func:`block_tokens` tokens, int32.
 
     ``bases[b]``: rows of the tokens before block b, per expert then per destination rank;
     ``totals``: the same over all T tokens (expert_counts then rank_counts). Two launches
-    (counts per block, then a scan over blocks, column groups in parallel).
+    (counts per block, then a scan over blocks, column groups in parallel), each on at most
+    ``num_sms`` programs when given.
     """
     _check_ids(topk_ids_TK, world_size, experts_per_rank)
     T, K = topk_ids_TK.shape
@@ -144,19 +158,23 @@ def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank:
     dev = topk_ids_TK.device
     bases = torch.empty(B, E + R, dtype=torch.int32, device=dev)
     totals = torch.empty(E + R, dtype=torch.int32, device=dev)
-    _layout_count_kernel[(B,)](ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, block_counts_ptr=bases,
-                               L=L, E=E, R=R, K=K, BT=bt, E_PAD=triton.next_power_of_2(E),
-                               R_PAD=triton.next_power_of_2(R))
+    launch(_layout_count_kernel, work=B, device=dev, budget=num_sms, resident=False,
+           args=dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, B=B, block_counts_ptr=bases,
+                     L=L, E=E, R=R),
+           meta=dict(K=K, BT=bt, E_PAD=triton.next_power_of_2(E), R_PAD=triton.next_power_of_2(R)))
     bc = 32
-    _scan_blocks_kernel[(triton.cdiv(E + R, bc),)](counts_ptr=bases, B=B, C=E + R, totals_ptr=totals, BR=64, BC=bc)
+    launch(_scan_blocks_kernel, work=triton.cdiv(E + R, bc), device=dev, budget=num_sms, resident=False,
+           args=dict(counts_ptr=bases, B=B, C=E + R, totals_ptr=totals), meta=dict(BR=64, BC=bc))
     return bases, totals
 
 
-def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int) -> DispatchLayout:
+def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int,
+                   num_sms: int | None = None) -> DispatchLayout:
     """Send-side layout of ``topk_ids_TK`` [T, K] int32 (see the module docstring).
 
     Three launches when T spans several blocks (:func:`block_bases`, then each block assigns
-    its tokens from its base row), one when it fits a block. Ids outside [0, E) are treated
+    its tokens from its base row), one when it fits a block; each on at most ``num_sms``
+    programs when given (a dispatch under an SM budget). Ids outside [0, E) are treated
     as unused. (The dispatch itself lays out its tokens inside the send: this is for callers
     that want the layout alone, and the NCCL pipeline.)
     """
@@ -173,14 +191,14 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
     bt = block_tokens()
     B = triton.cdiv(T, bt)
     if B > 1:
-        bases, totals = block_bases(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L)
+        bases, totals = block_bases(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L, num_sms=num_sms)
     else:
         totals = torch.empty(E + R, dtype=torch.int32, device=dev)  # the single block writes it
         bases = totals  # unused
-    _layout_assign_kernel[(B,)](ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, bases_ptr=bases,
-                                slots_ptr=slots, ordinals_ptr=ordinals, totals_ptr=totals, L=L, E=E, R=R, K=K,
-                                HAS_BASES=B > 1, BT=bt, E_PAD=triton.next_power_of_2(E),
-                                R_PAD=triton.next_power_of_2(R))
+    launch(_layout_assign_kernel, work=B, device=dev, budget=num_sms, resident=False,
+           args=dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, B=B, bases_ptr=bases, slots_ptr=slots,
+                     ordinals_ptr=ordinals, totals_ptr=totals, L=L, E=E, R=R),
+           meta=dict(K=K, HAS_BASES=B > 1, BT=bt, E_PAD=triton.next_power_of_2(E), R_PAD=triton.next_power_of_2(R)))
     return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
 
 
