@@ -443,7 +443,8 @@ def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchL
     T, R, L = topk_ids_TK.shape[0], cfg.world_size, cfg.experts_per_rank
     dev = topk_ids_TK.device
     if T > SELF_LAYOUT_MAX_T and budget and not interpreted():
-        return compute_layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L, num_sms=budget), LAYOUT_GIVEN, None
+        layout = compute_layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L, num_sms=budget)
+        return layout, LAYOUT_GIVEN, None
     if T > SELF_LAYOUT_MAX_T:
         bases, totals = block_bases(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L)
         how = LAYOUT_FROM_BASES
