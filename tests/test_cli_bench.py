@@ -429,3 +429,24 @@ def test_soak_rounds_including_empty_ones(ray_session):
             res = ep.run(run_row, "soak", rounds=2, num_tokens=tokens, routing="skewed", fused=True)
             assert [r["misplaced_rows"] for r in res] == [0, 0]
             assert all(r["max_rel_error"] < 2e-2 for r in res) and (tokens or all(r["max_rel_error"] == 0 for r in res))
+
+
+def test_source_commit_names_the_tree_it_runs(tmp_path, monkeypatch):
+    # the commit the benchmark's JSON records: '+dirty' once a tracked file differs from it
+    # (a copied tree with an older .git must not pass for that commit); RAY_EP_COMMIT wins
+    import subprocess
+
+    monkeypatch.delenv("RAY_EP_COMMIT", raising=False)
+    assert runner.source_commit(str(tmp_path)) == "unknown"  # not a checkout
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run(git + ["add", "a.py"], check=True)
+    subprocess.run(git + ["commit", "-qm", "a"], check=True)
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "notes.txt").write_text("untracked files do not count\n")
+    assert runner.source_commit(str(tmp_path)) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert runner.source_commit(str(tmp_path)) == head + "+dirty"
+    monkeypatch.setenv("RAY_EP_COMMIT", "abc1234")
+    assert runner.source_commit(str(tmp_path)) == "abc1234"

@@ -391,18 +391,33 @@ class _Progress:
         self.bar.close()
 
 
+def source_commit(path: str | None = None) -> str:
+    """The commit of the checkout that holds ``path`` (default: this package), with '+dirty'
+    when its tracked files differ from it (a copied tree whose .git is older says so instead
+    of naming a commit it does not run); RAY_EP_COMMIT wins (set it where .git is not shipped,
+    as in Ray jobs); 'unknown' outside a checkout."""
+    commit = os.environ.get("RAY_EP_COMMIT", "")
+    if commit:
+        return commit
+    where = path or os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True,
+                              timeout=5)
+        if head.returncode or not head.stdout.strip():
+            return "unknown"
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                                 capture_output=True, text=True, timeout=30)
+        return head.stdout.strip() + ("+dirty" if changed.returncode or changed.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def _meta(cluster: EPCluster, iters: int) -> dict:
     import torch
     import triton
 
     info = cluster.info()
-    commit = os.environ.get("RAY_EP_COMMIT", "")  # set it where .git is not shipped (Ray jobs)
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    timeout=5).stdout.strip() or "unknown"
-        except Exception:
-            commit = "unknown"
+    commit = source_commit()
     meta = {"device": info[0].get("gpu", "cpu"), "world_size": cluster.world_size,
             "n_nodes": cluster.config.n_nodes, "gpus_per_node": cluster.config.gpus_per_node,
             "sms": info[0].get("sms"), "backend": cluster.backend, "iters": iters, "commit": commit,
