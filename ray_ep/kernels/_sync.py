@@ -92,6 +92,28 @@ def locate_block(b, rows, starts, R_PAD: tl.constexpr, BJ: tl.constexpr):
 
 
 @triton.jit
+def _expired(start, spins, timeout_ns, max_spins, USE_TIMER: tl.constexpr):
+    """1 once a wait begun at ``start`` has lasted ``timeout_ns`` (GPU) or ``max_spins`` polls
+    (the interpreter, which has no timer), else 0."""
+    if USE_TIMER:
+        return ((now_ns(USE_TIMER) - start) > timeout_ns).to(tl.int32)
+    else:
+        return (spins > max_spins).to(tl.int32)
+
+
+@triton.jit
+def _report_silent(pending, status_ptr, R_PAD: tl.constexpr):
+    """After a wait: STATUS_TIMEOUT and status[1 + s] for each source still ``pending``.
+    Returns True when none is."""
+    src = tl.arange(0, R_PAD)
+    silent = tl.max(pending.to(tl.int32), axis=0)
+    if silent > 0:
+        tl.atomic_or(status_ptr, _STATUS_TIMEOUT)
+        tl.store(status_ptr + 1 + src, 1, mask=pending)
+    return silent == 0
+
+
+@triton.jit
 def wait_signals(signal_ptr, R, target, status_ptr, timeout_ns, max_spins,
                  R_PAD: tl.constexpr, USE_TIMER: tl.constexpr):
     """Spin until signal_ptr[s] >= target for every s < R (acquire, system scope).
@@ -112,18 +134,11 @@ def wait_signals(signal_ptr, R, target, status_ptr, timeout_ns, max_spins,
         sig = tl.load(signal_ptr + src, mask=pending, other=0, volatile=True)
         pending = pending & (sig < target)
         spins += 1
-        if USE_TIMER:
-            expired = ((now_ns(USE_TIMER) - start) > timeout_ns).to(tl.int32)
-        else:
-            expired = (spins > max_spins).to(tl.int32)
+        expired = _expired(start, spins, timeout_ns, max_spins, USE_TIMER)
     # acquire: the rows and counts the peers published before their signals are visible now
     tl.atomic_add(signal_ptr + src, 0, mask=live, sem="acquire", scope="sys")
     tl.debug_barrier()
-    silent = tl.max(pending.to(tl.int32), axis=0)
-    if silent > 0:
-        tl.atomic_or(status_ptr, _STATUS_TIMEOUT)
-        tl.store(status_ptr + 1 + src, 1, mask=pending)
-    return silent == 0
+    return _report_silent(pending, status_ptr, R_PAD)
 
 
 @triton.jit
@@ -136,7 +151,6 @@ def wait_blocks(first_flag_ptrs, last_flag_ptrs, need, target, status_ptr, timeo
     (STATUS_TIMEOUT set) it returns False at once; on its own timeout it sets that bit and
     status[1 + d] for each rank still silent, as :func:`wait_signals` does.
     """
-    src = tl.arange(0, R_PAD)
     failed = (tl.load(status_ptr, volatile=True) & _STATUS_TIMEOUT) != 0
     pending = need & (failed == 0)
     a = tl.atomic_add(first_flag_ptrs, 0, mask=pending, sem="acquire", scope="sys")
@@ -150,16 +164,9 @@ def wait_blocks(first_flag_ptrs, last_flag_ptrs, need, target, status_ptr, timeo
         b = tl.load(last_flag_ptrs, mask=pending, other=0, volatile=True)
         pending = pending & ((a < target) | (b < target))
         spins += 1
-        if USE_TIMER:
-            expired = ((now_ns(USE_TIMER) - start) > timeout_ns).to(tl.int32)
-        else:
-            expired = (spins > max_spins).to(tl.int32)
+        expired = _expired(start, spins, timeout_ns, max_spins, USE_TIMER)
     # acquire: the rows the peers stored before their flags are visible now
     tl.atomic_add(first_flag_ptrs, 0, mask=need & (failed == 0), sem="acquire", scope="sys")
     tl.atomic_add(last_flag_ptrs, 0, mask=need & (failed == 0), sem="acquire", scope="sys")
     tl.debug_barrier()
-    silent = tl.max(pending.to(tl.int32), axis=0)
-    if silent > 0:
-        tl.atomic_or(status_ptr, _STATUS_TIMEOUT)
-        tl.store(status_ptr + 1 + src, 1, mask=pending)
-    return (silent == 0) & (failed == 0)
+    return _report_silent(pending, status_ptr, R_PAD) & (failed == 0)
