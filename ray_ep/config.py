@@ -115,7 +115,8 @@ class EPConfig(BaseModel):
     backend: Literal["auto", "nvshmem", "torch"] = "auto"
     """auto: nvshmem when every worker has a GPU, else torch (gloo on CPU)."""
     num_sms: int | None = Field(default=None, gt=0)
-    """Most programs (SMs) a communication kernel may use; None: all of them."""
+    """Most programs (SMs) a communication kernel may use, the dispatch's layout launches
+    included; None: all of them."""
     micro_batches: int = Field(default=1, ge=1, le=8)
     """MoE layers cut each rank's tokens into this many micro-batches and overlap one's
     communication with another's experts (:mod:`ray_ep.pipeline`); each micro-batch has buffers
