@@ -614,7 +614,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--split", action="store_true", help="time the split send/recv forms instead of fused")
     parser.add_argument("--combine-mode", dest="combine_mode", choices=("push", "pull"), default="push",
                         help="EPConfig.combine_mode of ray_ep's rows: push (default), or pull (one node: partial "
-                             "rows formed on every SM, loaded by their sources on the --num-sms budget)")
+                             "rows formed on the SMs --num-sms leaves, every SM without it, and loaded by their "
+                             "sources on the --num-sms budget)")
     parser.add_argument("--layer", action="store_true",
                         help="also time whole MoE layers (experts included), the experts alone and their grouped "
                              "GEMMs beside torch's")

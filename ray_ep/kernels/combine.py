@@ -268,8 +268,7 @@ def _send_named(cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs:
                 send_counter_ptr=ws.counters[COUNTER_COMBINE_SEND:], rank=bufs.rank, L=cfg.experts_per_rank,
                 ranks_per_node=cfg.gpus_per_node, **bufs.combine.send_args(), **_common_args(cfg, bufs, ws))
     meta = dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), BJ=rows,
-                OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype], XB=_WIRE_BYTES[cfg.combine_dtype], **remote_meta(cfg),
-                PULL=cfg.combine_mode == "pull")
+                OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype], XB=_WIRE_BYTES[cfg.combine_dtype], **remote_meta(cfg))
     return args, meta
 
 
@@ -320,8 +319,8 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
     if pull:
         rows = PULL_BLOCK_ROWS  # one readiness flag per block
     args, meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
-    args["off_ready"] = bufs.combine.off_ready
-    meta["PB"] = PULL_BLOCK_ROWS
+    args["off_ready"] = bufs.combine.off_ready  # the send kernel's pull arguments (the fused one has none)
+    meta.update(PULL=pull, PB=PULL_BLOCK_ROWS)
     # the host does not know how many rows arrived: a grid the SMs hold at once, looping over the live blocks
     launch(_combine_send_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), device=bufs.device,
            budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
@@ -368,7 +367,6 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
     send_args, send_meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
     recv_args, recv_meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
     work = max(triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), triton.cdiv(handle.num_tokens, rows))
-    del send_meta["PULL"]
     launch(_combine_fused_kernel, work=work, device=bufs.device, budget=budget, resident=True,
            args={**send_args, **recv_args}, meta={**send_meta, **recv_meta, **send_tile, **sum_tile}, warps=warps)
     if check:
