@@ -20,6 +20,7 @@ import torch
 
 from ray_ep import EPCluster, EPConfig, EPTimeoutError
 from ray_ep.bench.loops import run_row
+from ray_ep.kernels.dispatch import SELF_LAYOUT_MAX_T
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs at least 2 CUDA GPUs"),
@@ -65,8 +66,8 @@ def cluster(request):
 
 def _group_cfg(cluster: EPCluster, preset: str, dtype: str, **kw) -> EPConfig:
     c = cluster.config
-    return EPConfig.preset(preset, n_nodes=c.n_nodes, gpus_per_node=c.gpus_per_node, dispatch_dtype=dtype,
-                           intermediate_size=128, max_tokens_per_rank=256, **kw)
+    kw = {"intermediate_size": 128, "max_tokens_per_rank": 256, **kw}
+    return EPConfig.preset(preset, n_nodes=c.n_nodes, gpus_per_node=c.gpus_per_node, dispatch_dtype=dtype, **kw)
 
 
 def test_ranks_sit_on_their_nodes(cluster):
@@ -113,6 +114,15 @@ def test_pull_combine_against_reference(cluster, dtype, num_sms, micro_batches):
         pytest.skip("combine_mode 'pull' is for one node (the config refuses several)")
     cfg = _group_cfg(cluster, "deepseek-v3", dtype, combine_mode="pull", num_sms=num_sms, micro_batches=micro_batches)
     _check_against_reference(cluster, f"test/pull/{dtype}/{num_sms}/{micro_batches}", cfg, 64, seed=13)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_large_batch_under_sm_budget_against_reference(cluster, dtype):
+    # above SELF_LAYOUT_MAX_T tokens a dispatch under an SM budget lays its tokens out with
+    # compute_layout's launches on that budget (chunks of tokens per program), not in the send
+    tokens = 2 * SELF_LAYOUT_MAX_T + 88
+    cfg = _group_cfg(cluster, "deepseek-v3", dtype, num_sms=8, max_tokens_per_rank=1024)
+    _check_against_reference(cluster, f"test/budget-layout/{dtype}", cfg, tokens, seed=17)
 
 
 # fp8 experts (e4m3 weights, one scale per 128 x 128 block; activations quantised per 128

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 
 from ray_ep.errors import EPInputError  # noqa: E402
 from ray_ep.types import DispatchLayout  # noqa: E402
-from ray_ep.kernels._util import recorded_launches  # noqa: E402
+from ray_ep.kernels._util import num_sms, recorded_launches  # noqa: E402
 from ray_ep.kernels.layout import (block_bases, block_bases_torch, block_tokens,  # noqa: E402
                                   compute_layout, compute_layout_torch)
 
@@ -157,8 +157,21 @@ def test_sm_budget_caps_every_launch(num_sms):
     ids = random_ids(T, K, R * L, gen, masked=0.1).to(device)
     with recorded_launches() as launches:
         check_semantics(check_equal(ids, R, L, num_sms=num_sms), ids, R, L)
-    assert [r.kernel for r in launches] == ["_layout_count_kernel", "_scan_blocks_kernel", "_layout_assign_kernel"]
+    assert [r.kernel for r in launches] == ["_chunk_count_kernel", "_chunk_assign_kernel"]
     assert all(r.programs == num_sms for r in launches), launches
+
+
+def test_many_chunks():
+    """More chunks than the assign kernel sums at once (8 rows of counts per step): each
+    program's base rows come from several steps; a budget above the chunks takes one program
+    per chunk."""
+    R, L, K = 4, 8, 4
+    T = 20 * block_tokens() - 5
+    gen = torch.Generator().manual_seed(5)
+    ids = random_ids(T, K, R * L, gen, masked=0.1).to(device)
+    with recorded_launches() as launches:
+        check_semantics(check_equal(ids, R, L, num_sms=37), ids, R, L)
+    assert [r.programs for r in launches] == [min(20, num_sms(device))] * 2  # 4 stand-ins on a CPU
 
 
 @pytest.mark.parametrize("T", [0, 1, 16, 17, 150, 1000])

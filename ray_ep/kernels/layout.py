@@ -30,12 +30,14 @@ import triton.language as tl
 from ..types import DispatchLayout
 from ..validation import check_tensor
 from ._util import interpreted, launch
+from ._util import num_sms as sm_count
 
 
 def block_tokens() -> int:
-    """Tokens per layout block. 16 on a GPU: the assign kernel measured fastest there (22 us
-    against 33 us at 32 for 4096 tokens, 256 experts), and a send that lays out its own tokens
-    scans at most 15 earlier ones. In the interpreter, bigger blocks (numpy likes big arrays)."""
+    """Tokens per layout block. 16 on a GPU: the chunked assign measured fastest there (4096
+    tokens, 256 experts on 24 H200 SMs, from CUDA graphs: 56.7 us, against 62.6 at 8 and 76.1
+    at 32 tokens with 8 warps), and a send that lays out its own tokens scans at most 15
+    earlier ones. In the interpreter, bigger blocks (numpy likes big arrays)."""
     return 64 if interpreted() else 16
 
 
@@ -91,47 +93,101 @@ def _scan_blocks_kernel(counts_ptr, B, C, totals_ptr, BR: tl.constexpr, BC: tl.c
         tl.store(totals_ptr + cols, carry, mask=cm)
 
 
-@triton.jit(do_not_specialize=["T", "B"])
-def _layout_assign_kernel(ids_ptr, stride_t, T, B, bases_ptr, slots_ptr, ordinals_ptr, totals_ptr,
-                          K: tl.constexpr, L, E, R, HAS_BASES: tl.constexpr,
-                          BT: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    for blk in range(tl.program_id(0), B, tl.num_programs(0)):
-        _assign_block(ids_ptr, stride_t, T, blk, bases_ptr, slots_ptr, ordinals_ptr, totals_ptr, K, L, E, R,
-                      HAS_BASES, BT, E_PAD, R_PAD)
+# compute_layout: each program lays out a contiguous chunk of tokens, in two launches. The
+# first counts every chunk's tokens per expert and rank (one atomic add per id, nothing waits
+# on them); the second sums the counts of the chunks before its own (the chunk's base rows),
+# then walks its chunk block by block in token order. A (token, k)'s ordinal is its expert's
+# running row plus the earlier (token, k) of the block that chose the same expert (pairwise
+# compares of the block's ids: a few ops per id, where one-hot [tokens, E] tiles took one per
+# (token, expert)); each expert's last (token, k) in the block moves the running row on.
+# (4096 tokens, 256 experts, from CUDA graphs on one H200: 24 SMs 147.5 -> 56.7 us, 16 SMs
+# 207.3 -> 76.2, every SM 28.7 -> 26.6 against three launches of one-hot tiles; docs/perf.md v17.)
+@triton.jit(do_not_specialize=["T", "CT", "NC"])
+def _chunk_count_kernel(ids_ptr, stride_t, T, CT, NC, counts_ptr, K: tl.constexpr, L, E, R,
+                        TB: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """counts [NC, E + R]: tokens of chunk c (tokens [c * CT, (c + 1) * CT)) per expert, then
+    per destination rank."""
+    e_idx = tl.arange(0, E_PAD)
+    r_idx = tl.arange(0, R_PAD)
+    kk = tl.arange(0, K_PAD)
+    for c in range(tl.program_id(0), NC, tl.num_programs(0)):
+        row = counts_ptr + c * (E + R)
+        tl.store(row + e_idx, tl.zeros((E_PAD,), dtype=tl.int32), mask=e_idx < E)
+        tl.debug_barrier()  # every thread's zeros before any thread's atomics
+        end = tl.minimum(T, (c + 1) * CT)
+        per_rank = tl.zeros((R_PAD,), dtype=tl.int32)
+        for t0 in range(c * CT, end, TB):
+            ids, valid, goes = _block_ids(ids_ptr, stride_t, t0, end, K, L, E, TB, K_PAD, R_PAD)
+            tl.atomic_add(row + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed")
+            per_rank += tl.sum(goes, axis=0)
+        tl.store(row + E + r_idx, per_rank, mask=r_idx < R)
+
+
+@triton.jit(do_not_specialize=["T", "CT", "NC"])
+def _chunk_assign_kernel(ids_ptr, stride_t, T, CT, NC, counts_ptr, running_ptr, slots_ptr, ordinals_ptr,
+                         totals_ptr, K: tl.constexpr, L, E, R, BT: tl.constexpr, CR: tl.constexpr,
+                         K_PAD: tl.constexpr, C_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """Slots and ordinals of chunk c's tokens (running [NC, E + R]: the chunk's rows so far);
+    the last chunk's program writes the totals."""
+    cols = tl.arange(0, C_PAD)
+    cm = cols < E + R
+    r_idx = tl.arange(0, R_PAD)
+    tok = tl.reshape(tl.arange(0, BT)[:, None] + tl.zeros((K_PAD,), dtype=tl.int32)[None, :], (BT * K_PAD,))
+    for c in range(tl.program_id(0), NC, tl.num_programs(0)):
+        base = tl.zeros((C_PAD,), dtype=tl.int32)  # rows of the chunks before c
+        for r0 in range(0, c, CR):
+            rows = r0 + tl.arange(0, CR)
+            m = (rows[:, None] < c) & cm[None, :]
+            base += tl.sum(tl.load(counts_ptr + rows[:, None] * (E + R) + cols[None, :], mask=m, other=0), axis=0)
+        if c == NC - 1:
+            own = tl.load(counts_ptr + c * (E + R) + cols, mask=cm, other=0)
+            tl.store(totals_ptr + cols, base + own, mask=cm)
+        run = running_ptr + c * (E + R)
+        tl.store(run + cols, base, mask=cm)
+        tl.debug_barrier()
+        run_r = tl.load(run + E + r_idx, mask=r_idx < R, other=0, volatile=True)
+        end = tl.minimum(T, (c + 1) * CT)
+        for t0 in range(c * CT, end, BT):
+            ids, valid, goes = _block_ids(ids_ptr, stride_t, t0, end, K, L, E, BT, K_PAD, R_PAD)
+            f = tl.reshape(ids, (BT * K_PAD,))
+            # one sum counts both: the same expert in earlier tokens (low 16 bits), in later ones
+            order = tl.where(tok[None, :] < tok[:, None], 1, tl.where(tok[None, :] > tok[:, None], 65536, 0))
+            both = tl.reshape(tl.sum(tl.where(f[:, None] == f[None, :], order, 0), axis=1), (BT, K_PAD))
+            earlier = both & 0xFFFF
+            later = both >> 16
+            # and in its own token (itself; more only if a token lists an expert twice)
+            upto = earlier + tl.sum((ids[:, :, None] == ids[:, None, :]).to(tl.int32), axis=2)
+            at = run + tl.where(valid, ids, 0)
+            rows_e = tl.load(at, mask=valid, other=0, volatile=True)
+            toks = t0 + tl.arange(0, BT)
+            kk = tl.arange(0, K_PAD)
+            tl.store(ordinals_ptr + toks[:, None] * K + kk[None, :], tl.where(valid, rows_e + earlier, -1),
+                     mask=(toks[:, None] < end) & (kk[None, :] < K))
+            last = valid & (later == 0)  # the block's last (token, k) of its expert moves its row on
+            tl.store(at, rows_e + upto, mask=last)
+            before_r = tl.cumsum(goes, axis=0) - goes + run_r[None, :]
+            tl.store(slots_ptr + toks[:, None] * R + r_idx[None, :], tl.where(goes > 0, before_r, -1),
+                     mask=(toks[:, None] < end) & (r_idx[None, :] < R))
+            run_r += tl.sum(goes, axis=0)
+            tl.debug_barrier()  # this block's rows before the next block's loads
 
 
 @triton.jit
-def _assign_block(ids_ptr, stride_t, T, blk, bases_ptr, slots_ptr, ordinals_ptr, totals_ptr,
-                  K: tl.constexpr, L, E, R, HAS_BASES: tl.constexpr,
-                  BT: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """Slots and ordinals of block blk's tokens from its base row (the totals when it is the
-    only block)."""
-    t0 = blk * BT
+def _block_ids(ids_ptr, stride_t, t0, end, K: tl.constexpr, L, E, BT: tl.constexpr, K_PAD: tl.constexpr,
+               R_PAD: tl.constexpr):
+    """ids [BT, K_PAD] of tokens [t0, t0 + BT) below end (-1 where unused: masked, padding or
+    outside [0, E), which the driver rejects before launching), which are used, and whether
+    each token goes to each rank [BT, R_PAD] (int32)."""
     toks = t0 + tl.arange(0, BT)
-    e_idx = tl.arange(0, E_PAD)
+    kk = tl.arange(0, K_PAD)
+    mk = (toks[:, None] < end) & (kk[None, :] < K)
+    ids = tl.load(ids_ptr + toks[:, None] * stride_t + kk[None, :], mask=mk, other=-1)
+    valid = mk & (ids >= 0) & (ids < E)
+    ids = tl.where(valid, ids, -1)
+    dst = tl.where(valid, ids // L, -1)
     r_idx = tl.arange(0, R_PAD)
-    if HAS_BASES:  # rows of the blocks before this one (block_bases)
-        base_e = tl.load(bases_ptr + blk * (E + R) + e_idx, mask=e_idx < E, other=0)
-        base_r = tl.load(bases_ptr + blk * (E + R) + E + r_idx, mask=r_idx < R, other=0)
-    else:
-        base_e = tl.zeros((E_PAD,), dtype=tl.int32)
-        base_r = tl.zeros((R_PAD,), dtype=tl.int32)
-    exp1h, rank1h = _token_onehots(ids_ptr, stride_t, t0, T, K, L, E, R, BT, E_PAD, R_PAD)
-    # rows before token t in this block, per expert / rank (exclusive scan over tokens)
-    before_e = tl.cumsum(exp1h, axis=0) - exp1h + base_e[None, :]
-    before_r = tl.cumsum(rank1h, axis=0) - rank1h + base_r[None, :]
-    slots = tl.where(rank1h > 0, before_r, -1)
-    tl.store(slots_ptr + toks[:, None] * R + r_idx[None, :], slots,
-             mask=(toks[:, None] < T) & (r_idx[None, :] < R))
-    for k in tl.static_range(K):
-        ids = tl.load(ids_ptr + toks * stride_t + k, mask=toks < T, other=-1)
-        valid = (ids >= 0) & (ids < E)
-        hit = (ids[:, None] == e_idx[None, :]) & valid[:, None]
-        ordinal = tl.sum(tl.where(hit, before_e, 0), axis=1)
-        tl.store(ordinals_ptr + toks * K + k, tl.where(valid, ordinal, -1), mask=toks < T)
-    if not HAS_BASES:  # a single block: its sums are the totals
-        tl.store(totals_ptr + e_idx, tl.sum(exp1h, axis=0), mask=e_idx < E)
-        tl.store(totals_ptr + E + r_idx, tl.sum(rank1h, axis=0), mask=r_idx < R)
+    goes = tl.max((dst[:, :, None] == r_idx[None, None, :]).to(tl.int32), axis=1)
+    return ids, valid, goes
 
 
 def _check_ids(topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int) -> None:
@@ -172,11 +228,12 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
                    num_sms: int | None = None) -> DispatchLayout:
     """Send-side layout of ``topk_ids_TK`` [T, K] int32 (see the module docstring).
 
-    Three launches when T spans several blocks (:func:`block_bases`, then each block assigns
-    its tokens from its base row), one when it fits a block; each on at most ``num_sms``
-    programs when given (a dispatch under an SM budget). Ids outside [0, E) are treated
-    as unused. (The dispatch itself lays out its tokens inside the send: this is for callers
-    that want the layout alone, and the NCCL pipeline.)
+    Two launches of at most ``num_sms`` programs (a dispatch under an SM budget; every SM
+    when None), each program a contiguous chunk of tokens: counts per chunk, then each chunk
+    assigns its tokens from the counts of the chunks before it. Ids outside [0, E) are
+    treated as unused. (The dispatch itself lays out its tokens inside the send when it has
+    every SM: this is for a dispatch under a budget, callers that want the layout alone, and
+    the NCCL pipeline.)
     """
     _check_ids(topk_ids_TK, world_size, experts_per_rank)
     T, K = topk_ids_TK.shape
@@ -185,20 +242,23 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
     dev = topk_ids_TK.device
     slots = torch.empty(T, R, dtype=torch.int32, device=dev)
     ordinals = torch.empty(T, K, dtype=torch.int32, device=dev)
+    totals = torch.empty(E + R, dtype=torch.int32, device=dev)
     if T == 0:
-        totals = torch.zeros(E + R, dtype=torch.int32, device=dev)
+        totals.zero_()
         return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
     bt = block_tokens()
-    B = triton.cdiv(T, bt)
-    if B > 1:
-        bases, totals = block_bases(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L, num_sms=num_sms)
-    else:
-        totals = torch.empty(E + R, dtype=torch.int32, device=dev)  # the single block writes it
-        bases = totals  # unused
-    launch(_layout_assign_kernel, work=B, device=dev, budget=num_sms, resident=False,
-           args=dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, B=B, bases_ptr=bases, slots_ptr=slots,
-                     ordinals_ptr=ordinals, totals_ptr=totals, L=L, E=E, R=R),
-           meta=dict(K=K, HAS_BASES=B > 1, BT=bt, E_PAD=triton.next_power_of_2(E), R_PAD=triton.next_power_of_2(R)))
+    programs = num_sms or sm_count(dev)
+    chunk = triton.cdiv(triton.cdiv(T, programs), bt) * bt  # tokens per chunk, whole blocks
+    chunks = triton.cdiv(T, chunk)
+    counts_running = torch.empty(2, chunks, E + R, dtype=torch.int32, device=dev)
+    args = dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, CT=chunk, NC=chunks,
+                counts_ptr=counts_running[0], L=L, E=E, R=R)
+    pads = dict(K=K, K_PAD=triton.next_power_of_2(K), R_PAD=triton.next_power_of_2(R))
+    launch(_chunk_count_kernel, work=chunks, device=dev, budget=num_sms, resident=False, args=args,
+           meta=dict(pads, TB=4 * bt, E_PAD=triton.next_power_of_2(E)))
+    launch(_chunk_assign_kernel, work=chunks, device=dev, budget=num_sms, resident=False,
+           args=dict(args, running_ptr=counts_running[1], slots_ptr=slots, ordinals_ptr=ordinals, totals_ptr=totals),
+           meta=dict(pads, BT=bt, CR=8, C_PAD=triton.next_power_of_2(E + R)))
     return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
 
 
