@@ -32,7 +32,7 @@ from ray_ep import reference  # noqa: E402
 from ray_ep.config import FP8_GROUP, NVFP4_BLOCK, EPConfig  # noqa: E402
 from ray_ep.errors import EPInputError, EPOverflowError, EPTimeoutError  # noqa: E402
 from ray_ep.kernels import combine as C  # noqa: E402
-from ray_ep.kernels._util import recorded_launches  # noqa: E402
+from ray_ep.kernels._util import interpreted, num_sms, recorded_launches  # noqa: E402
 from ray_ep.kernels import dispatch as D  # noqa: E402
 from ray_ep.kernels.buffers import check_status  # noqa: E402
 from ray_ep.kernels.experts import ExpertScratch, LocalExperts, run_experts_torch, shared_experts  # noqa: E402
@@ -469,10 +469,11 @@ def test_pulled_partial_rows_stay_on_their_rank():
         assert bool((own[s, n:] == 7.0).all()), f"rows past source {s}'s {n} were written"
 
 
-@pytest.mark.parametrize("mode,sends", [("push", 1), ("pull", 3)])
-def test_launches_report_programs_and_sms(mode, sends):
-    # a budget of 1 of the interpreter's 4 stand-in SMs: push sends on the budget, pull forms
-    # its partial rows on the 3 SMs the budget leaves; both receive on the budget
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_launches_report_programs_and_sms(mode):
+    # a budget of 1 SM: push sends on the budget, pull forms its partial rows on the SMs the
+    # budget leaves (the interpreter's 4 stand-ins leave 3; a GPU's, as many as its rows fill);
+    # both receive on the budget
     cfg = make_cfg(4, "bf16", "bf16", num_sms=1, combine_mode=mode)
     sim = Sim(cfg, KERNEL)
     inp = make_round(cfg, [9, 7, 8, 6], seed=61)
@@ -481,7 +482,14 @@ def test_launches_report_programs_and_sms(mode, sends):
     with recorded_launches() as launches:
         sim.combine(handles, ys, [None] * 4)
     got = [(r.kernel, r.programs, r.sms) for r in launches]
-    assert got == [("_combine_send_kernel", sends, sends)] * 4 + [("_combine_recv_kernel", 1, 1)] * 4
+    assert got[4:] == [("_combine_recv_kernel", 1, 1)] * 4
+    left = num_sms(device) - 1
+    for kernel, programs, sms in got[:4]:
+        assert kernel == "_combine_send_kernel" and sms == programs, got
+        if mode == "push":
+            assert programs == 1, got
+        else:
+            assert (programs == left) if device == "cpu" else (1 < programs <= left), got
 
 
 def test_pull_combine_needs_one_node():
@@ -519,6 +527,13 @@ def test_expert_kernels_convert_the_receive_regions(dispatch, expert):
         assert (got - want).abs().max() <= 0.05 * want.abs().max()
 
 
+def _step_rows() -> int:
+    """Rows of a program's tile in the tests that shrink its channel step: 16 in the
+    interpreter (whole blocks of rows), 1 on a GPU (as tile_shape: a program of 16 rows at
+    4 warps each would need 2048 threads, above the 1024 a block may have)."""
+    return 16 if interpreted() else 1
+
+
 @pytest.mark.parametrize("dispatch", ["bf16", "fp8", "nvfp4"])
 def test_rows_in_several_channel_steps(monkeypatch, dispatch):
     # a GPU program walks its rows a step of channels at a time (fp8 and nvfp4 rows load the
@@ -526,9 +541,20 @@ def test_rows_in_several_channel_steps(monkeypatch, dispatch):
     # would hide a step mixed up: here 128 channels per step (fp8's scale group), 4 per row
     from ray_ep.kernels import _util
 
-    monkeypatch.setattr(_util, "tile_shape", lambda H, device, multiple=8: (16, max(multiple, 128)))
+    monkeypatch.setattr(_util, "tile_shape", lambda H, device, multiple=8: (_step_rows(), max(multiple, 128)))
     cfg = make_cfg(2, dispatch, "bf16", 1, hidden_size=512)
     run_round(cfg, sims_for(cfg), make_round(cfg, tokens_for(2, 7), seed=77, routing="skewed", mask=0.1))
+
+
+@pytest.mark.parametrize("step,hidden", [(32, 224), (128, 160)], ids=["32-of-224", "128-of-160"])
+def test_nvfp4_rows_in_small_and_partial_steps(monkeypatch, step, hidden):
+    # nvfp4 wire rows sent a step of channels at a time: steps of 2 scale blocks (32 channels),
+    # and a last step that ends inside a 4-block group (160 channels: 10 block scales)
+    from ray_ep.kernels import _util
+
+    monkeypatch.setattr(_util, "tile_shape", lambda H, device, multiple=8: (_step_rows(), max(multiple, step)))
+    cfg = make_cfg(2, "nvfp4", "bf16", 1, hidden_size=hidden)
+    run_round(cfg, sims_for(cfg), make_round(cfg, tokens_for(2, 5), seed=55, routing="skewed", mask=0.1))
 
 
 @pytest.mark.parametrize("R", [2, 4])
