@@ -29,8 +29,7 @@ import triton.language as tl
 
 from ..types import DispatchLayout
 from ..validation import check_tensor
-from ._util import interpreted, launch
-from ._util import num_sms as sm_count
+from ._util import interpreted, launch, num_sms as sm_count
 
 
 def block_tokens() -> int:
