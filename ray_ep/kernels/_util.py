@@ -21,12 +21,17 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device ("cuda" alone: the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def num_sms(device: torch.device | str) -> int:
     """Streaming multiprocessors of a CUDA device; 4 stand-ins for a CPU (interpreter)."""
     device = torch.device(device)
     if device.type != "cuda":
         return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_cuda_index(device))
 
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
@@ -35,8 +40,7 @@ _side_streams: dict[int, torch.cuda.Stream] = {}
 def side_stream(device: torch.device | str) -> torch.cuda.Stream:
     """One side stream per CUDA device, made once and reused (the layer's shared experts and
     communication, the pull combine's receive)."""
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(torch.device(device))
     if index not in _side_streams:
         _side_streams[index] = torch.cuda.Stream(device=index)
     return _side_streams[index]

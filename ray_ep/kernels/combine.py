@@ -30,8 +30,7 @@ from ..types import DispatchHandle
 from ..validation import check_tensor
 from ._shmem import other_node, put_bytes, quiet, signal, staged
 from ._sync import last_program_done, peer_ptr, release_signals, wait_blocks, wait_signals
-from ._util import comm_tile, interpreted, launch, remote_meta, side_stream, timeouts
-from ._util import num_sms as sm_count
+from ._util import comm_tile, interpreted, launch, num_sms as sm_count, remote_meta, side_stream, timeouts
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 
