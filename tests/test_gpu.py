@@ -116,10 +116,11 @@ def test_pull_combine_against_reference(cluster, dtype, num_sms, micro_batches):
     _check_against_reference(cluster, f"test/pull/{dtype}/{num_sms}/{micro_batches}", cfg, 64, seed=13)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "nvfp4"])
 def test_large_batch_under_sm_budget_against_reference(cluster, dtype):
-    # above SELF_LAYOUT_MAX_T tokens a dispatch under an SM budget lays its tokens out with
-    # compute_layout's launches on that budget (chunks of tokens per program), not in the send
+    # above SELF_LAYOUT_MAX_T tokens a dispatch under an SM budget lays its tokens out by
+    # chunks of tokens, one per program: counted in a launch on that budget, then assigned
+    # inside the send block by block (bf16, fp8) or in compute_layout's second launch (nvfp4)
     tokens = 2 * SELF_LAYOUT_MAX_T + 88
     cfg = _group_cfg(cluster, "deepseek-v3", dtype, num_sms=8, max_tokens_per_rank=1024)
     _check_against_reference(cluster, f"test/budget-layout/{dtype}", cfg, tokens, seed=17)

@@ -881,15 +881,20 @@ def test_fused_on_concurrent_streams(world_size, dispatch, combine):
 
 
 # ---- the send's own layout against compute_layout --------------------------------------------
-@pytest.mark.parametrize("T,routing,mask", [(1, "uniform", 0.0), (37, "skewed", 0.3), (256, "uniform", 0.1),
-                                            (200, "one-expert", 0.0), (257, "uniform", 0.1),
-                                            (300, "skewed", 0.2), (333, "one-expert", 0.0)])
-def test_send_lays_out_its_own_tokens_like_compute_layout(T, routing, mask):
+@pytest.mark.parametrize("T,routing,mask,budget", [(1, "uniform", 0.0, None), (37, "skewed", 0.3, None),
+                                                   (256, "uniform", 0.1, None), (200, "one-expert", 0.0, None),
+                                                   (257, "uniform", 0.1, None), (300, "skewed", 0.2, None),
+                                                   (333, "one-expert", 0.0, None), (257, "uniform", 0.1, 3),
+                                                   (300, "skewed", 0.2, 2), (600, "one-expert", 0.1, 4),
+                                                   (700, "skewed", 0.0, 64)])
+def test_send_lays_out_its_own_tokens_like_compute_layout(T, routing, mask, budget):
     """The send kernel works out slots, ordinals and totals itself: up to SELF_LAYOUT_MAX_T
     tokens by scanning every earlier token, beyond it from block_bases (scanning only its
-    layout block). Both must equal compute_layout's exactly (duplicated and masked ids
-    included), and three sends in a row must leave the workspace totals at zero."""
-    cfg = make_cfg(4, "bf16", "bf16", max_tokens_per_rank=max(T, 256))
+    layout block), or under an SM budget chunk by chunk from count_chunks (64 programs: more
+    than the blocks, so some chunks hold a single block). All must equal compute_layout's
+    exactly (duplicated and masked ids included), and three sends in a row must leave the
+    workspace totals at zero."""
+    cfg = make_cfg(4, "bf16", "bf16", max_tokens_per_rank=max(T, 256), num_sms=budget)
     world = LocalWorld.create(cfg, device)
     for rnd in range(3):
         inp = make_round(cfg, [T, 0, 1, 2], seed=900 + rnd, routing=routing, mask=mask)

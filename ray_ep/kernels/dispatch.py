@@ -40,7 +40,8 @@ from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, relea
 from ._util import comm_tile, interpreted, launch, remote_meta, timeouts
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
-from .layout import block_bases, block_tokens, compute_layout, compute_layout_torch
+from .layout import (CHUNK_ROWS, assign_block, block_bases, block_tokens, chunk_start, compute_layout,
+                     compute_layout_torch, count_chunks)
 from .nvfp4 import quantize_nvfp4_tile, wire_row_bytes
 from .quant import quantize_group
 
@@ -51,6 +52,8 @@ _NVFP4_G = tl.constexpr(NVFP4_GLOBAL_SCALE)
 LAYOUT_GIVEN = tl.constexpr(0)  # the caller's DispatchLayout
 LAYOUT_SCANNED = tl.constexpr(1)  # the send scans every earlier token (small batches)
 LAYOUT_FROM_BASES = tl.constexpr(2)  # the send scans its layout block, plus block_bases
+LAYOUT_CHUNKED = tl.constexpr(3)  # the send assigns its own chunks' tokens, from count_chunks
+_CHUNK_ROWS = tl.constexpr(CHUNK_ROWS)
 
 
 # ---- device code ---------------------------------------------------------------------------
@@ -129,113 +132,146 @@ def _take_totals(totals_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
-               bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L, ranks_per_node,
+               bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L,
+               ranks_per_node, CT, NC,
                K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, FP8: tl.constexpr,
                BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
                OWN_LAYOUT: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr, NVFP4: tl.constexpr,
-               BRANCHLESS: tl.constexpr, PREFETCH: tl.constexpr):
+               BRANCHLESS: tl.constexpr, PREFETCH: tl.constexpr, C_PAD: tl.constexpr):
     """Store this program's share of token rows and meta rows into every destination on this
     node; with REMOTE, stage them once in this rank's ``dispatch.send`` rows and put them to
-    the destinations on other nodes (nodes of ranks_per_node ranks)."""
+    the destinations on other nodes (nodes of ranks_per_node ranks).
+
+    Blocks of BT tokens, the grid's stride apart; with LAYOUT_CHUNKED a program takes whole
+    chunks of CT tokens instead (bases_ptr: :func:`count_chunks`' counts and running rows) and
+    assigns each block's slots and ordinals just before it sends the block."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    if OWN_LAYOUT == LAYOUT_CHUNKED:
+        E = R * L
+        running_ptr = bases_ptr + NC * (E + R)
+        for c in range(pid, NC, nprog):
+            run_r = chunk_start(bases_ptr, running_ptr, totals_ptr, c, NC, E, R, _CHUNK_ROWS, C_PAD, R_PAD)
+            end = tl.minimum(T, (c + 1) * CT)
+            for t0 in range(c * CT, end, BT):
+                run_r = assign_block(ids_ptr, stride_ids, t0, end, running_ptr + c * (E + R), run_r, slots_ptr,
+                                     ordinals_ptr, K, L, E, R, BT, K_PAD, R_PAD)
+                _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
+                            ordinals_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H,
+                            N, rank, R, ranks_per_node, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, NVFP4,
+                            BRANCHLESS, PREFETCH)
+    else:
+        for blk in range(pid, tl.cdiv(T, BT), nprog):
+            if OWN_LAYOUT != LAYOUT_GIVEN:
+                _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, bases_ptr,
+                            blk * BT + tl.arange(0, BT), T, R, L,
+                            K, K_PAD, R_PAD, BT, CH, OWN_LAYOUT == LAYOUT_FROM_BASES, SB)
+            _send_block(blk * BT, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
+                        peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R,
+                        ranks_per_node, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, NVFP4, BRANCHLESS,
+                        PREFETCH)
+    if REMOTE:
+        quiet(EMULATE)  # delivered before this program counts itself done (the signals follow)
+
+
+@triton.jit
+def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
+                peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, ranks_per_node,
+                K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr,
+                BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr, NVFP4: tl.constexpr,
+                BRANCHLESS: tl.constexpr, PREFETCH: tl.constexpr):
+    """Rows and meta rows of tokens [t0, t0 + BT) to their destinations."""
+    toks = t0 + tl.arange(0, BT)
     kk = tl.arange(0, K_PAD)
     km = kk < K
     SG: tl.constexpr = BLOCK_H // _FP8_GROUP if FP8 else 1
     W = wire_row_bytes(H)  # bytes of an nvfp4 wire row (used only with NVFP4)
-    for blk in range(pid, tl.cdiv(T, BT), nprog):
-        toks = blk * BT + tl.arange(0, BT)
-        if OWN_LAYOUT != LAYOUT_GIVEN:
-            _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, bases_ptr, toks, T, R, L,
-                        K, K_PAD, R_PAD, BT, CH, OWN_LAYOUT == LAYOUT_FROM_BASES, SB)
-        tm = toks < T
-        mk = tm[:, None] & km[None, :]
-        ids = tl.load(ids_ptr + toks[:, None] * stride_ids + kk[None, :], mask=mk, other=-1)
-        ords = tl.load(ordinals_ptr + toks[:, None] * K + kk[None, :], mask=mk, other=-1)
-        wts = tl.load(w_ptr + toks[:, None] * stride_w + kk[None, :], mask=mk, other=0.0)
-        wbits = wts.to(tl.float32).to(tl.int32, bitcast=True)
+    tm = toks < T
+    mk = tm[:, None] & km[None, :]
+    ids = tl.load(ids_ptr + toks[:, None] * stride_ids + kk[None, :], mask=mk, other=-1)
+    ords = tl.load(ordinals_ptr + toks[:, None] * K + kk[None, :], mask=mk, other=-1)
+    wts = tl.load(w_ptr + toks[:, None] * stride_w + kk[None, :], mask=mk, other=0.0)
+    wbits = wts.to(tl.float32).to(tl.int32, bitcast=True)
+    if REMOTE:
+        meta = peer_ptr(peer_bases_ptr, rank, off_sm, tl.int32) + toks[:, None].to(tl.int64) * (3 * K) + kk[None, :]
+        tl.store(meta, ids, mask=mk)
+        tl.store(meta + K, ords, mask=mk)
+        tl.store(meta + 2 * K, wbits, mask=mk)
+    for d in tl.static_range(R_PAD):
+        near = (d // ranks_per_node) == (rank // ranks_per_node)  # on this node: stores
+        slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & near, other=-1)
+        ok = slot >= 0
+        if tl.max(ok.to(tl.int32), axis=0) > 0:
+            row = (rank * N + slot).to(tl.int64)
+            meta = peer_ptr(peer_bases_ptr, d, off_meta, tl.int32) + row[:, None] * (3 * K) + kk[None, :]
+            mm = ok[:, None] & km[None, :]
+            tl.store(meta, ids, mask=mm)
+            tl.store(meta + K, ords, mask=mm)
+            tl.store(meta + 2 * K, wbits, mask=mm)
+    x_row = x_ptr + toks[:, None].to(tl.int64) * stride_x
+    if PREFETCH:
+        # the next step's channels load while this step quantises and stores: under an SM
+        # budget each program waits on its loads' latency, not on bandwidth
+        c0 = tl.arange(0, BLOCK_H)
+        x_next = tl.load(x_row + c0[None, :], mask=tm[:, None] & (c0[None, :] < H), other=0.0)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cm = cols < H
+        if PREFETCH:
+            x = x_next
+            x_next = tl.load(x_row + BLOCK_H + cols[None, :], mask=tm[:, None] & (cols[None, :] + BLOCK_H < H),
+                             other=0.0)
+        else:
+            x = tl.load(x_row + cols[None, :], mask=tm[:, None] & cm[None, :], other=0.0)
+        if FP8:
+            q, s = quantize_group(x.to(tl.float32), SG)
+            g = h0 // _FP8_GROUP + tl.arange(0, SG)
+            gm = g[None, :] < H // _FP8_GROUP
+        if NVFP4:
+            # wire row: packed codes at bytes [0, H/2), block scales at [H/2, H/2 + H/16)
+            q, s = quantize_nvfp4_tile(x.to(tl.float32), _NVFP4_G)
+            pc = h0 // 2 + tl.arange(0, BLOCK_H // 2)
+            pm = pc[None, :] < H // 2
+            bc = h0 // 16 + tl.arange(0, BLOCK_H // 16)
+            bm = bc[None, :] < H // 16
+            bc += H // 2
         if REMOTE:
-            meta = peer_ptr(peer_bases_ptr, rank, off_sm, tl.int32) + toks[:, None].to(tl.int64) * (3 * K) + kk[None, :]
-            tl.store(meta, ids, mask=mk)
-            tl.store(meta + K, ords, mask=mk)
-            tl.store(meta + 2 * K, wbits, mask=mk)
+            if NVFP4:
+                px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.uint8) + toks[:, None].to(tl.int64) * W
+                tl.store(px + pc[None, :], q, mask=tm[:, None] & pm)
+                tl.store(px + bc[None, :], s, mask=tm[:, None] & bm)
+            elif FP8:
+                px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.float8e4nv)
+                tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], q, mask=tm[:, None] & cm[None, :])
+                ps = peer_ptr(peer_bases_ptr, rank, off_ss, tl.float32)
+                tl.store(ps + toks[:, None].to(tl.int64) * (H // _FP8_GROUP) + g[None, :], s, mask=tm[:, None] & gm)
+            else:
+                px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.bfloat16)
+                tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], x, mask=tm[:, None] & cm[None, :])
         for d in tl.static_range(R_PAD):
-            near = (d // ranks_per_node) == (rank // ranks_per_node)  # on this node: stores
+            near = (d // ranks_per_node) == (rank // ranks_per_node)
             slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & near, other=-1)
             ok = slot >= 0
-            if tl.max(ok.to(tl.int32), axis=0) > 0:
+            # BRANCHLESS: masked stores instead of a block-wide "any row for d?" test on each step
+            # (one row per program: the test is cheap and skips the row's dead destinations)
+            any_row = True if BRANCHLESS else tl.max(ok.to(tl.int32), axis=0) > 0
+            if any_row:
                 row = (rank * N + slot).to(tl.int64)
-                meta = peer_ptr(peer_bases_ptr, d, off_meta, tl.int32) + row[:, None] * (3 * K) + kk[None, :]
-                mm = ok[:, None] & km[None, :]
-                tl.store(meta, ids, mask=mm)
-                tl.store(meta + K, ords, mask=mm)
-                tl.store(meta + 2 * K, wbits, mask=mm)
-        x_row = x_ptr + toks[:, None].to(tl.int64) * stride_x
-        if PREFETCH:
-            # the next step's channels load while this step quantises and stores: under an SM
-            # budget each program waits on its loads' latency, not on bandwidth
-            c0 = tl.arange(0, BLOCK_H)
-            x_next = tl.load(x_row + c0[None, :], mask=tm[:, None] & (c0[None, :] < H), other=0.0)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            cm = cols < H
-            if PREFETCH:
-                x = x_next
-                x_next = tl.load(x_row + BLOCK_H + cols[None, :], mask=tm[:, None] & (cols[None, :] + BLOCK_H < H),
-                                 other=0.0)
-            else:
-                x = tl.load(x_row + cols[None, :], mask=tm[:, None] & cm[None, :], other=0.0)
-            if FP8:
-                q, s = quantize_group(x.to(tl.float32), SG)
-                g = h0 // _FP8_GROUP + tl.arange(0, SG)
-                gm = g[None, :] < H // _FP8_GROUP
-            if NVFP4:
-                # wire row: packed codes at bytes [0, H/2), block scales at [H/2, H/2 + H/16)
-                q, s = quantize_nvfp4_tile(x.to(tl.float32), _NVFP4_G)
-                pc = h0 // 2 + tl.arange(0, BLOCK_H // 2)
-                pm = pc[None, :] < H // 2
-                bc = h0 // 16 + tl.arange(0, BLOCK_H // 16)
-                bm = bc[None, :] < H // 16
-                bc += H // 2
-            if REMOTE:
                 if NVFP4:
-                    px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.uint8) + toks[:, None].to(tl.int64) * W
-                    tl.store(px + pc[None, :], q, mask=tm[:, None] & pm)
-                    tl.store(px + bc[None, :], s, mask=tm[:, None] & bm)
+                    px = peer_ptr(peer_bases_ptr, d, off_x, tl.uint8) + row[:, None] * W
+                    tl.store(px + pc[None, :], q, mask=ok[:, None] & pm)
+                    tl.store(px + bc[None, :], s, mask=ok[:, None] & bm)
                 elif FP8:
-                    px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.float8e4nv)
-                    tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], q, mask=tm[:, None] & cm[None, :])
-                    ps = peer_ptr(peer_bases_ptr, rank, off_ss, tl.float32)
-                    tl.store(ps + toks[:, None].to(tl.int64) * (H // _FP8_GROUP) + g[None, :], s, mask=tm[:, None] & gm)
+                    px = peer_ptr(peer_bases_ptr, d, off_x, tl.float8e4nv)
+                    tl.store(px + row[:, None] * H + cols[None, :], q, mask=ok[:, None] & cm[None, :])
+                    ps = peer_ptr(peer_bases_ptr, d, off_scales, tl.float32)
+                    tl.store(ps + row[:, None] * (H // _FP8_GROUP) + g[None, :], s, mask=ok[:, None] & gm)
                 else:
-                    px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.bfloat16)
-                    tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], x, mask=tm[:, None] & cm[None, :])
-            for d in tl.static_range(R_PAD):
-                near = (d // ranks_per_node) == (rank // ranks_per_node)
-                slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & near, other=-1)
-                ok = slot >= 0
-                # BRANCHLESS: masked stores instead of a block-wide "any row for d?" test on each step
-                # (one row per program: the test is cheap and skips the row's dead destinations)
-                any_row = True if BRANCHLESS else tl.max(ok.to(tl.int32), axis=0) > 0
-                if any_row:
-                    row = (rank * N + slot).to(tl.int64)
-                    if NVFP4:
-                        px = peer_ptr(peer_bases_ptr, d, off_x, tl.uint8) + row[:, None] * W
-                        tl.store(px + pc[None, :], q, mask=ok[:, None] & pm)
-                        tl.store(px + bc[None, :], s, mask=ok[:, None] & bm)
-                    elif FP8:
-                        px = peer_ptr(peer_bases_ptr, d, off_x, tl.float8e4nv)
-                        tl.store(px + row[:, None] * H + cols[None, :], q, mask=ok[:, None] & cm[None, :])
-                        ps = peer_ptr(peer_bases_ptr, d, off_scales, tl.float32)
-                        tl.store(ps + row[:, None] * (H // _FP8_GROUP) + g[None, :], s, mask=ok[:, None] & gm)
-                    else:
-                        px = peer_ptr(peer_bases_ptr, d, off_x, tl.bfloat16)
-                        tl.store(px + row[:, None] * H + cols[None, :], x, mask=ok[:, None] & cm[None, :])
-        if REMOTE:
-            _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm,
-                             blk * BT, T, H, N, rank, R, ranks_per_node, K, FP8, BT, EMULATE, NVFP4)
+                    px = peer_ptr(peer_bases_ptr, d, off_x, tl.bfloat16)
+                    tl.store(px + row[:, None] * H + cols[None, :], x, mask=ok[:, None] & cm[None, :])
     if REMOTE:
-        quiet(EMULATE)  # delivered before this program counts itself done (the signals follow)
+        _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm,
+                         t0, T, H, N, rank, R, ranks_per_node, K, FP8, BT, EMULATE, NVFP4)
 
 
 @triton.jit
@@ -350,22 +386,22 @@ def _recv_layout(signal_ptr, counts_ptr, meta_ptr, target, status_ptr, scratch_p
                 tl.store(row_ids_ptr + pos, j[:, None] + kk[None, :] * 0, mask=here)
 
 
-@triton.jit(do_not_specialize=["T", "rank"])
+@triton.jit(do_not_specialize=["T", "rank", "CT", "NC"])
 def _dispatch_send_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
                           expert_counts_ptr, rank_counts_ptr, totals_ptr, bases_ptr, peer_bases_ptr, epochs_ptr,
                           send_counter_ptr,
                           off_x, off_scales, off_meta, off_counts, off_signal, off_sx, off_ss, off_sm, off_scounts,
-                          T, H, N, rank, R, L, ranks_per_node,
+                          T, H, N, rank, R, L, ranks_per_node, CT, NC,
                           K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
                           FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr,
                           EMULATE: tl.constexpr, OWN_LAYOUT: tl.constexpr, CH: tl.constexpr,
                           SB: tl.constexpr, NVFP4: tl.constexpr, BRANCHLESS: tl.constexpr,
-                          PREFETCH: tl.constexpr):
+                          PREFETCH: tl.constexpr, C_PAD: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
                bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L,
-               ranks_per_node, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB, NVFP4,
-               BRANCHLESS, PREFETCH)
+               ranks_per_node, CT, NC, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB,
+               NVFP4, BRANCHLESS, PREFETCH, C_PAD)
     if last_program_done(send_counter_ptr):
         if OWN_LAYOUT == LAYOUT_SCANNED:
             _take_totals(totals_ptr, expert_counts_ptr, R * L + R, 256)
@@ -387,7 +423,7 @@ def _dispatch_recv_kernel(signal_ptr, counts_ptr, meta_ptr, epochs_ptr, recv_cou
         tl.store(epochs_ptr, epoch + 1)
 
 
-@triton.jit(do_not_specialize=["T", "rank"])
+@triton.jit(do_not_specialize=["T", "rank", "CT", "NC"])
 def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
                            expert_counts_ptr, rank_counts_ptr, totals_ptr, bases_ptr, peer_bases_ptr, epochs_ptr,
                            send_counter_ptr,
@@ -395,17 +431,17 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
                            row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                            signal_ptr, counts_ptr, meta_ptr,
                            off_x, off_scales, off_meta, off_counts, off_signal, off_sx, off_ss, off_sm, off_scounts,
-                           T, H, N, rank, R, L, ranks_per_node, CAP, ALIGN, timeout_ns, max_spins,
+                           T, H, N, rank, R, L, ranks_per_node, CT, NC, CAP, ALIGN, timeout_ns, max_spins,
                            K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, L_PAD: tl.constexpr,
                            A_PAD: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr,
                            BJ: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
                            OWN_LAYOUT: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr, NVFP4: tl.constexpr,
-                           BRANCHLESS: tl.constexpr, PREFETCH: tl.constexpr):
+                           BRANCHLESS: tl.constexpr, PREFETCH: tl.constexpr, C_PAD: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
                bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L,
-               ranks_per_node, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB, NVFP4,
-               BRANCHLESS, PREFETCH)
+               ranks_per_node, CT, NC, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB,
+               NVFP4, BRANCHLESS, PREFETCH, C_PAD)
     if last_program_done(send_counter_ptr):
         if OWN_LAYOUT == LAYOUT_SCANNED:
             _take_totals(totals_ptr, expert_counts_ptr, R * L + R, 256)
@@ -429,24 +465,49 @@ SELF_LAYOUT_MAX_T = 256
 SCAN_CHUNK = {int(LAYOUT_SCANNED): 64, int(LAYOUT_FROM_BASES): 32}
 
 
-def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchLayout | None,
-                     budget: int | None) -> tuple[DispatchLayout, int, torch.Tensor | None]:
-    """(layout, how, bases): the caller's layout (LAYOUT_GIVEN), or tensors the send fills
-    itself: scanning every earlier token (LAYOUT_SCANNED, small batches) or from the bases
-    of :func:`block_bases` (LAYOUT_FROM_BASES, which also gives the totals).
+# Wire formats whose send assigns its own chunks under an SM budget (LAYOUT_CHUNKED); the
+# others take compute_layout's two launches first. 4x H200, prefill 4096 tokens, 24 / 16 SMs,
+# chunked against compute_layout: fp8 311.1 / 425.6 us against 393.9 / 409.4, bf16 589.2 /
+# 578.2 against 577.9 / 618.4, nvfp4 405.6 / 577.5 against 376.9 / 535.3. bf16 and fp8 sends
+# wait on their remote stores, so the assign fills idle issue slots; nvfp4's send is bound by
+# its quantisation (as slow into its own buffer as to peers) and the assign lengthens it.
+CHUNKED_SEND_DTYPES = ("bf16", "fp8")
 
-    Under an SM budget large batches take compute_layout's launches instead, on the same
-    budget: a few programs would work out every token's layout one after the other (prefill
-    at 24 programs: 900 us from bases, 815 us with the one-hot compute_layout of v12). With
-    every SM the bases win (4x H200, bf16 prefill: 488.2 us, 494.2 with compute_layout)."""
+
+def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None) -> tuple[int, int, int]:
+    """(rows, channels, warps) of a send program: a step holds whole fp8 groups, or pairs of
+    whole nvfp4 blocks (H / 2 bytes and H / 16 scales)."""
+    multiple = {"fp8": FP8_GROUP, "nvfp4": 32}.get(cfg.dispatch_dtype, 8)
+    return comm_tile(cfg.hidden_size, device, budget, "dispatch", multiple=multiple)
+
+
+def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchLayout | None,
+                     budget: int | None) -> tuple[DispatchLayout, int, torch.Tensor | None, int]:
+    """(layout, how, bases, chunk): the caller's layout (LAYOUT_GIVEN), or tensors the send
+    fills itself: scanning every earlier token (LAYOUT_SCANNED, small batches), from the
+    bases of :func:`block_bases` (LAYOUT_FROM_BASES, which also gives the totals), or, under
+    an SM budget, from :func:`count_chunks` (LAYOUT_CHUNKED: bases holds the chunks' counts
+    and running rows, each program assigns and sends whole chunks of ``chunk`` tokens).
+
+    Under a budget a few programs would work out every token's layout one after the other
+    from bases (prefill at 24 programs: 900 us, 815 us with the one-hot compute_layout of v12);
+    by chunks the assign of a block overlaps the stores of the one before. With every SM
+    the bases win (4x H200, bf16 prefill: 488.2 us, 494.2 with compute_layout's chunks)."""
     if layout is not None:
-        return layout, LAYOUT_GIVEN, None
+        return layout, LAYOUT_GIVEN, None, 0
     T, R, L = topk_ids_TK.shape[0], cfg.world_size, cfg.experts_per_rank
     dev = topk_ids_TK.device
-    if T > SELF_LAYOUT_MAX_T and budget and not interpreted():
+    chunk = 0
+    if T > SELF_LAYOUT_MAX_T and budget and cfg.dispatch_dtype not in CHUNKED_SEND_DTYPES:
         layout = compute_layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L, num_sms=budget)
-        return layout, LAYOUT_GIVEN, None
-    if T > SELF_LAYOUT_MAX_T:
+        return layout, LAYOUT_GIVEN, None, 0
+    if T > SELF_LAYOUT_MAX_T and budget:
+        bt = _send_tile(cfg, dev, budget)[0]
+        bases, chunk, _ = count_chunks(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L, programs=budget,
+                                       multiple=bt)
+        totals = torch.empty(R * L + R, dtype=torch.int32, device=dev)  # written by the last chunk's program
+        how = LAYOUT_CHUNKED
+    elif T > SELF_LAYOUT_MAX_T:
         bases, totals = block_bases(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L)
         how = LAYOUT_FROM_BASES
     else:
@@ -454,7 +515,7 @@ def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchL
         how = LAYOUT_SCANNED
     return DispatchLayout(torch.empty(T, R, dtype=torch.int32, device=dev),
                           torch.empty(T, cfg.top_k, dtype=torch.int32, device=dev),
-                          totals[:R * L], totals[R * L:]), how, bases
+                          totals[:R * L], totals[R * L:]), how, bases, chunk
 
 
 def _common_meta(cfg: EPConfig) -> dict:
@@ -470,17 +531,20 @@ def _common_args(cfg: EPConfig, bufs: SymmetricBuffers, ws: Workspace) -> dict:
 
 
 def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: DispatchLayout, how: int,
-                bases: torch.Tensor | None, bufs: SymmetricBuffers, ws: Workspace, budget: int | None
+                bases: torch.Tensor | None, chunk: int, bufs: SymmetricBuffers, ws: Workspace, budget: int | None
                 ) -> tuple[dict, dict, int]:
     """Arguments, constexprs and warps of the send half (its tile depends on the SM budget)."""
-    # a step holds whole fp8 groups, or pairs of whole nvfp4 blocks (H / 2 bytes and H / 16 scales)
-    multiple = {"fp8": FP8_GROUP, "nvfp4": 32}.get(cfg.dispatch_dtype, 8)
-    bt, bh, warps = comm_tile(cfg.hidden_size, x_TH.device, budget, "dispatch", multiple=multiple)
+    bt, bh, warps = _send_tile(cfg, x_TH.device, budget)
+    R, L = cfg.world_size, cfg.experts_per_rank
     args = dict(x_ptr=x_TH, stride_x=x_TH.stride(0), ids_ptr=topk_ids_TK, stride_ids=topk_ids_TK.stride(0),
                 w_ptr=topk_weights_TK, stride_w=topk_weights_TK.stride(0), slots_ptr=layout.token_slots_TR,
                 ordinals_ptr=layout.ordinals_TK, expert_counts_ptr=layout.expert_counts_E,
-                rank_counts_ptr=layout.rank_counts_R, totals_ptr=ws.totals,
-                bases_ptr=bases if bases is not None else ws.totals,  # read only when OWN_LAYOUT is FROM_BASES
+                rank_counts_ptr=layout.rank_counts_R,
+                # the send's running totals (SCANNED), or where the last chunk writes them (CHUNKED:
+                # the layout's counts, one [E + R] tensor made by _layout_for_send)
+                totals_ptr=layout.expert_counts_E if how == LAYOUT_CHUNKED else ws.totals,
+                bases_ptr=bases if bases is not None else ws.totals,  # read only FROM_BASES or CHUNKED
+                CT=chunk, NC=bases.shape[1] if how == LAYOUT_CHUNKED else 0,
                 send_counter_ptr=ws.counters[COUNTER_DISPATCH_SEND:], T=x_TH.shape[0], H=cfg.hidden_size,
                 ranks_per_node=cfg.gpus_per_node, **bufs.dispatch.send_args(), **_common_args(cfg, bufs, ws))
     # several rows per program (an SM budget, the interpreter): measured at 24 programs on 4x H200,
@@ -491,8 +555,14 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
     # 26.2 -> 24.5. bf16 (nothing to overlap) at 24 / 16 SMs: 248 -> 261 / 224 -> 241, so not bf16
     meta = dict(FP8=cfg.dispatch_dtype == "fp8", NVFP4=cfg.dispatch_dtype == "nvfp4", BT=bt, BLOCK_H=bh,
                 OWN_LAYOUT=int(how), CH=64 if interpreted() else SCAN_CHUNK.get(int(how), 32), SB=block_tokens(),
-                BRANCHLESS=bt > 1, PREFETCH=cfg.dispatch_dtype != "bf16", **_common_meta(cfg), **remote_meta(cfg))
+                BRANCHLESS=bt > 1, PREFETCH=cfg.dispatch_dtype != "bf16", C_PAD=triton.next_power_of_2(R * L + R),
+                **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
+
+
+def _send_work(T: int, rows: int, chunks: int) -> int:
+    """Programs a send can use: its chunks (LAYOUT_CHUNKED), else its blocks of rows."""
+    return chunks or triton.cdiv(T, rows)
 
 
 def _recv_named(cfg: EPConfig, recv: RecvLayout, bufs: SymmetricBuffers, ws: Workspace) -> tuple[dict, dict]:
@@ -535,9 +605,10 @@ def dispatch_send(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tenso
     """
     check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, bufs.device)
     budget = num_sms or cfg.num_sms
-    layout, how, bases = _layout_for_send(cfg, topk_ids_TK, layout, budget)
-    args, meta, warps = _send_named(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, bufs, ws, budget)
-    launch(_dispatch_send_kernel, work=triton.cdiv(x_TH.shape[0], meta["BT"]), device=bufs.device,
+    layout, how, bases, chunk = _layout_for_send(cfg, topk_ids_TK, layout, budget)
+    args, meta, warps = _send_named(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, chunk, bufs, ws,
+                                    budget)
+    launch(_dispatch_send_kernel, work=_send_work(x_TH.shape[0], meta["BT"], args["NC"]), device=bufs.device,
            budget=budget, resident=False, args=args, meta=meta, warps=warps)
     return layout
 
@@ -567,13 +638,13 @@ def dispatch_fused(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tens
     :func:`dispatch_send` and :func:`dispatch_recv`."""
     check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, bufs.device)
     budget = num_sms or cfg.num_sms
-    layout, how, bases = _layout_for_send(cfg, topk_ids_TK, layout, budget)
+    layout, how, bases, chunk = _layout_for_send(cfg, topk_ids_TK, layout, budget)
     recv = out if out is not None else RecvLayout.allocate(cfg, bufs.device)
-    send_args, send_meta, warps = _send_named(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, bufs, ws,
-                                              budget)
+    send_args, send_meta, warps = _send_named(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, chunk,
+                                              bufs, ws, budget)
     recv_args, recv_meta = _recv_named(cfg, recv, bufs, ws)
     meta = {**send_meta, **recv_meta}
-    work = max(triton.cdiv(x_TH.shape[0], meta["BT"]),
+    work = max(_send_work(x_TH.shape[0], meta["BT"], send_args["NC"]),
                triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]))
     launch(_dispatch_fused_kernel, work=work, device=bufs.device, budget=_scratch_cap(ws, budget),
            resident=True, args={**send_args, **recv_args}, meta=meta, warps=warps)

@@ -108,7 +108,6 @@ def _chunk_count_kernel(ids_ptr, stride_t, T, CT, NC, counts_ptr, K: tl.constexp
     per destination rank."""
     e_idx = tl.arange(0, E_PAD)
     r_idx = tl.arange(0, R_PAD)
-    kk = tl.arange(0, K_PAD)
     for c in range(tl.program_id(0), NC, tl.num_programs(0)):
         row = counts_ptr + c * (E + R)
         tl.store(row + e_idx, tl.zeros((E_PAD,), dtype=tl.int32), mask=e_idx < E)
@@ -128,47 +127,67 @@ def _chunk_assign_kernel(ids_ptr, stride_t, T, CT, NC, counts_ptr, running_ptr, 
                          K_PAD: tl.constexpr, C_PAD: tl.constexpr, R_PAD: tl.constexpr):
     """Slots and ordinals of chunk c's tokens (running [NC, E + R]: the chunk's rows so far);
     the last chunk's program writes the totals."""
-    cols = tl.arange(0, C_PAD)
-    cm = cols < E + R
-    r_idx = tl.arange(0, R_PAD)
-    tok = tl.reshape(tl.arange(0, BT)[:, None] + tl.zeros((K_PAD,), dtype=tl.int32)[None, :], (BT * K_PAD,))
     for c in range(tl.program_id(0), NC, tl.num_programs(0)):
-        base = tl.zeros((C_PAD,), dtype=tl.int32)  # rows of the chunks before c
-        for r0 in range(0, c, CR):
-            rows = r0 + tl.arange(0, CR)
-            m = (rows[:, None] < c) & cm[None, :]
-            base += tl.sum(tl.load(counts_ptr + rows[:, None] * (E + R) + cols[None, :], mask=m, other=0), axis=0)
-        if c == NC - 1:
-            own = tl.load(counts_ptr + c * (E + R) + cols, mask=cm, other=0)
-            tl.store(totals_ptr + cols, base + own, mask=cm)
-        run = running_ptr + c * (E + R)
-        tl.store(run + cols, base, mask=cm)
-        tl.debug_barrier()
-        run_r = tl.load(run + E + r_idx, mask=r_idx < R, other=0, volatile=True)
+        run_r = chunk_start(counts_ptr, running_ptr, totals_ptr, c, NC, E, R, CR, C_PAD, R_PAD)
         end = tl.minimum(T, (c + 1) * CT)
         for t0 in range(c * CT, end, BT):
-            ids, valid, goes = _block_ids(ids_ptr, stride_t, t0, end, K, L, E, BT, K_PAD, R_PAD)
-            f = tl.reshape(ids, (BT * K_PAD,))
-            # one sum counts both: the same expert in earlier tokens (low 16 bits), in later ones
-            order = tl.where(tok[None, :] < tok[:, None], 1, tl.where(tok[None, :] > tok[:, None], 65536, 0))
-            both = tl.reshape(tl.sum(tl.where(f[:, None] == f[None, :], order, 0), axis=1), (BT, K_PAD))
-            earlier = both & 0xFFFF
-            later = both >> 16
-            # and in its own token (itself; more only if a token lists an expert twice)
-            upto = earlier + tl.sum((ids[:, :, None] == ids[:, None, :]).to(tl.int32), axis=2)
-            at = run + tl.where(valid, ids, 0)
-            rows_e = tl.load(at, mask=valid, other=0, volatile=True)
-            toks = t0 + tl.arange(0, BT)
-            kk = tl.arange(0, K_PAD)
-            tl.store(ordinals_ptr + toks[:, None] * K + kk[None, :], tl.where(valid, rows_e + earlier, -1),
-                     mask=(toks[:, None] < end) & (kk[None, :] < K))
-            last = valid & (later == 0)  # the block's last (token, k) of its expert moves its row on
-            tl.store(at, rows_e + upto, mask=last)
-            before_r = tl.cumsum(goes, axis=0) - goes + run_r[None, :]
-            tl.store(slots_ptr + toks[:, None] * R + r_idx[None, :], tl.where(goes > 0, before_r, -1),
-                     mask=(toks[:, None] < end) & (r_idx[None, :] < R))
-            run_r += tl.sum(goes, axis=0)
-            tl.debug_barrier()  # this block's rows before the next block's loads
+            run_r = assign_block(ids_ptr, stride_t, t0, end, running_ptr + c * (E + R), run_r, slots_ptr,
+                                 ordinals_ptr, K, L, E, R, BT, K_PAD, R_PAD)
+
+
+@triton.jit
+def chunk_start(counts_ptr, running_ptr, totals_ptr, c, NC, E, R, CR: tl.constexpr, C_PAD: tl.constexpr,
+                R_PAD: tl.constexpr):
+    """Start chunk c: its base rows (the counts [NC, E + R] of the chunks before it) go to
+    running[c]; the last chunk also writes the totals. Returns the rows so far per destination
+    rank [R_PAD]."""
+    cols = tl.arange(0, C_PAD)
+    cm = cols < E + R
+    base = tl.zeros((C_PAD,), dtype=tl.int32)
+    for r0 in range(0, c, CR):
+        rows = r0 + tl.arange(0, CR)
+        m = (rows[:, None] < c) & cm[None, :]
+        base += tl.sum(tl.load(counts_ptr + rows[:, None] * (E + R) + cols[None, :], mask=m, other=0), axis=0)
+    if c == NC - 1:
+        own = tl.load(counts_ptr + c * (E + R) + cols, mask=cm, other=0)
+        tl.store(totals_ptr + cols, base + own, mask=cm)
+    run = running_ptr + c * (E + R)
+    tl.store(run + cols, base, mask=cm)
+    tl.debug_barrier()
+    r_idx = tl.arange(0, R_PAD)
+    return tl.load(run + E + r_idx, mask=r_idx < R, other=0, volatile=True)
+
+
+@triton.jit
+def assign_block(ids_ptr, stride_t, t0, end, run, run_r, slots_ptr, ordinals_ptr, K: tl.constexpr, L, E, R,
+                 BT: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """Slots and ordinals of tokens [t0, t0 + BT) below end, from their chunk's running rows
+    (run [E + R]: per expert, moved on here) and rows so far per rank run_r [R_PAD]. Returns
+    run_r moved on; the stores are visible to the whole program when it returns."""
+    tok = tl.reshape(tl.arange(0, BT)[:, None] + tl.zeros((K_PAD,), dtype=tl.int32)[None, :], (BT * K_PAD,))
+    r_idx = tl.arange(0, R_PAD)
+    ids, valid, goes = _block_ids(ids_ptr, stride_t, t0, end, K, L, E, BT, K_PAD, R_PAD)
+    f = tl.reshape(ids, (BT * K_PAD,))
+    # one sum counts both: the same expert in earlier tokens (low 16 bits), in later ones
+    order = tl.where(tok[None, :] < tok[:, None], 1, tl.where(tok[None, :] > tok[:, None], 65536, 0))
+    both = tl.reshape(tl.sum(tl.where(f[:, None] == f[None, :], order, 0), axis=1), (BT, K_PAD))
+    earlier = both & 0xFFFF
+    later = both >> 16
+    # and in its own token (itself; more only if a token lists an expert twice)
+    upto = earlier + tl.sum((ids[:, :, None] == ids[:, None, :]).to(tl.int32), axis=2)
+    at = run + tl.where(valid, ids, 0)
+    rows_e = tl.load(at, mask=valid, other=0, volatile=True)
+    toks = t0 + tl.arange(0, BT)
+    kk = tl.arange(0, K_PAD)
+    tl.store(ordinals_ptr + toks[:, None] * K + kk[None, :], tl.where(valid, rows_e + earlier, -1),
+             mask=(toks[:, None] < end) & (kk[None, :] < K))
+    last = valid & (later == 0)  # the block's last (token, k) of its expert moves its row on
+    tl.store(at, rows_e + upto, mask=last)
+    before_r = tl.cumsum(goes, axis=0) - goes + run_r[None, :]
+    tl.store(slots_ptr + toks[:, None] * R + r_idx[None, :], tl.where(goes > 0, before_r, -1),
+             mask=(toks[:, None] < end) & (r_idx[None, :] < R))
+    tl.debug_barrier()  # this block's rows before the next block's (or the send's) loads
+    return run_r + tl.sum(goes, axis=0)
 
 
 @triton.jit
@@ -223,6 +242,32 @@ def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank:
     return bases, totals
 
 
+# rows of earlier chunks' counts that chunk_start sums at once
+CHUNK_ROWS = 8
+
+
+def count_chunks(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int, programs: int,
+                 multiple: int) -> tuple[torch.Tensor, int, int]:
+    """First launch of a chunked layout: (counts_running [2, chunks, E + R] int32, chunk,
+    chunks). ``programs`` chunks at most, each ``chunk`` tokens (a multiple of ``multiple``;
+    the last may hold fewer); ``counts_running[0][c]`` holds chunk c's tokens per expert, then
+    per destination rank. ``counts_running[1]`` is room for each chunk's running rows, filled
+    by :func:`chunk_start` (``compute_layout``'s second launch, or a send that assigns its
+    own chunks). The launch takes at most ``programs`` programs."""
+    T, K = topk_ids_TK.shape
+    R, L = world_size, experts_per_rank
+    E = R * L
+    chunk = triton.cdiv(triton.cdiv(max(T, 1), programs), multiple) * multiple
+    chunks = triton.cdiv(max(T, 1), chunk)
+    counts_running = torch.empty(2, chunks, E + R, dtype=torch.int32, device=topk_ids_TK.device)
+    launch(_chunk_count_kernel, work=chunks, device=topk_ids_TK.device, budget=programs, resident=False,
+           args=dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, CT=chunk, NC=chunks,
+                     counts_ptr=counts_running[0], L=L, E=E, R=R),
+           meta=dict(K=K, K_PAD=triton.next_power_of_2(K), R_PAD=triton.next_power_of_2(R), TB=4 * block_tokens(),
+                     E_PAD=triton.next_power_of_2(E)))
+    return counts_running, chunk, chunks
+
+
 def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int,
                    num_sms: int | None = None) -> DispatchLayout:
     """Send-side layout of ``topk_ids_TK`` [T, K] int32 (see the module docstring).
@@ -230,9 +275,9 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
     Two launches of at most ``num_sms`` programs (a dispatch under an SM budget; every SM
     when None), each program a contiguous chunk of tokens: counts per chunk, then each chunk
     assigns its tokens from the counts of the chunks before it. Ids outside [0, E) are
-    treated as unused. (The dispatch itself lays out its tokens inside the send when it has
-    every SM: this is for a dispatch under a budget, callers that want the layout alone, and
-    the NCCL pipeline.)
+    treated as unused. (A bf16 or fp8 dispatch lays out its tokens inside its send: this is
+    for an nvfp4 dispatch under a budget, callers that want the layout alone, and the NCCL
+    pipeline.)
     """
     _check_ids(topk_ids_TK, world_size, experts_per_rank)
     T, K = topk_ids_TK.shape
@@ -246,18 +291,14 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
         totals.zero_()
         return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
     bt = block_tokens()
-    programs = num_sms or sm_count(dev)
-    chunk = triton.cdiv(triton.cdiv(T, programs), bt) * bt  # tokens per chunk, whole blocks
-    chunks = triton.cdiv(T, chunk)
-    counts_running = torch.empty(2, chunks, E + R, dtype=torch.int32, device=dev)
-    args = dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, CT=chunk, NC=chunks,
-                counts_ptr=counts_running[0], L=L, E=E, R=R)
-    pads = dict(K=K, K_PAD=triton.next_power_of_2(K), R_PAD=triton.next_power_of_2(R))
-    launch(_chunk_count_kernel, work=chunks, device=dev, budget=num_sms, resident=False, args=args,
-           meta=dict(pads, TB=4 * bt, E_PAD=triton.next_power_of_2(E)))
+    counts_running, chunk, chunks = count_chunks(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L,
+                                                 programs=num_sms or sm_count(dev), multiple=bt)
     launch(_chunk_assign_kernel, work=chunks, device=dev, budget=num_sms, resident=False,
-           args=dict(args, running_ptr=counts_running[1], slots_ptr=slots, ordinals_ptr=ordinals, totals_ptr=totals),
-           meta=dict(pads, BT=bt, CR=8, C_PAD=triton.next_power_of_2(E + R)))
+           args=dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, CT=chunk, NC=chunks,
+                     counts_ptr=counts_running[0], running_ptr=counts_running[1], slots_ptr=slots,
+                     ordinals_ptr=ordinals, totals_ptr=totals, L=L, E=E, R=R),
+           meta=dict(K=K, K_PAD=triton.next_power_of_2(K), R_PAD=triton.next_power_of_2(R), BT=bt, CR=CHUNK_ROWS,
+                     C_PAD=triton.next_power_of_2(E + R)))
     return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
 
 
