@@ -40,40 +40,8 @@ def block_tokens() -> int:
     return 64 if interpreted() else 16
 
 
-@triton.jit
-def _token_onehots(ids_ptr, stride_t, t0, T, K: tl.constexpr, L, E, R,
-                   BT: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """One-hot of a block's experts [BT, E_PAD] and destination ranks [BT, R_PAD] (int32)."""
-    toks = t0 + tl.arange(0, BT)
-    e_idx = tl.arange(0, E_PAD)
-    r_idx = tl.arange(0, R_PAD)
-    exp1h = tl.zeros((BT, E_PAD), dtype=tl.int32)
-    rank1h = tl.zeros((BT, R_PAD), dtype=tl.int32)
-    for k in tl.static_range(K):
-        ids = tl.load(ids_ptr + toks * stride_t + k, mask=toks < T, other=-1)
-        # ids outside [0, E) are skipped (the driver rejects them before launching)
-        valid = (ids >= 0) & (ids < E)
-        exp1h += ((ids[:, None] == e_idx[None, :]) & valid[:, None]).to(tl.int32)
-        dst = tl.where(valid, ids // L, -1)
-        rank1h = tl.maximum(rank1h, (dst[:, None] == r_idx[None, :]).to(tl.int32))
-    return exp1h, rank1h
-
-
-# The kernels loop over their blocks with the grid's stride, so an SM budget caps the grid
-# (launch) and any grid is correct. T and B unspecialised: no recompile per batch size.
-@triton.jit(do_not_specialize=["T", "B"])
-def _layout_count_kernel(ids_ptr, stride_t, T, B, block_counts_ptr, K: tl.constexpr, L, E, R,
-                         BT: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    # block_counts [B, E + R]: tokens of each block per expert, then per destination rank
-    e_idx = tl.arange(0, E_PAD)
-    r_idx = tl.arange(0, R_PAD)
-    for blk in range(tl.program_id(0), B, tl.num_programs(0)):
-        exp1h, rank1h = _token_onehots(ids_ptr, stride_t, blk * BT, T, K, L, E, R, BT, E_PAD, R_PAD)
-        row = block_counts_ptr + blk * (E + R)
-        tl.store(row + e_idx, tl.sum(exp1h, axis=0), mask=e_idx < E)
-        tl.store(row + E + r_idx, tl.sum(rank1h, axis=0), mask=r_idx < R)
-
-
+# The kernels loop over their blocks or chunks with the grid's stride, so an SM budget caps
+# the grid (launch) and any grid is correct. Sizes unspecialised: no recompile per batch size.
 @triton.jit(do_not_specialize=["B"])
 def _scan_blocks_kernel(counts_ptr, B, C, totals_ptr, BR: tl.constexpr, BC: tl.constexpr):
     """In place: block counts [B, C] -> rows of the blocks before each block (exclusive scan
@@ -232,10 +200,12 @@ def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank:
     dev = topk_ids_TK.device
     bases = torch.empty(B, E + R, dtype=torch.int32, device=dev)
     totals = torch.empty(E + R, dtype=torch.int32, device=dev)
-    launch(_layout_count_kernel, work=B, device=dev, budget=num_sms, resident=False,
-           args=dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, B=B, block_counts_ptr=bases,
+    # the counts per block are chunk counts with one block per chunk
+    launch(_chunk_count_kernel, work=B, device=dev, budget=num_sms, resident=False,
+           args=dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, CT=bt, NC=B, counts_ptr=bases,
                      L=L, E=E, R=R),
-           meta=dict(K=K, BT=bt, E_PAD=triton.next_power_of_2(E), R_PAD=triton.next_power_of_2(R)))
+           meta=dict(K=K, K_PAD=triton.next_power_of_2(K), R_PAD=triton.next_power_of_2(R), TB=bt,
+                     E_PAD=triton.next_power_of_2(E)))
     bc = 32
     launch(_scan_blocks_kernel, work=triton.cdiv(E + R, bc), device=dev, budget=num_sms, resident=False,
            args=dict(counts_ptr=bases, B=B, C=E + R, totals_ptr=totals), meta=dict(BR=64, BC=bc))
