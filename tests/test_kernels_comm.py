@@ -590,6 +590,29 @@ def test_three_rounds_across_nodes(nodes, per_node, dispatch, combine, align):
             assert ws.epochs.tolist() == [rnd + 1, rnd + 1] and int(ws.status.abs().sum()) == 0
 
 
+LARGE_BUDGET_CASES = [(1, "bf16", "bf16", 3), (1, "fp8", "fp32", 2), (1, "nvfp4", "bf16", 3), (2, "fp8", "bf16", 3),
+                      (2, "bf16", "fp32", 5)]
+
+
+@pytest.mark.parametrize("nodes,dispatch,combine,budget", LARGE_BUDGET_CASES,
+                         ids=[f"{n}node-{d}-{c}-{b}sms" for n, d, c, b in LARGE_BUDGET_CASES])
+def test_large_batches_under_an_sm_budget(nodes, dispatch, combine, budget):
+    """Above SELF_LAYOUT_MAX_T tokens under an SM budget a bf16 or fp8 send assigns its own
+    chunks (LAYOUT_CHUNKED; across nodes it also stages and puts), nvfp4 takes
+    compute_layout first: whole rounds against the reference, skewed and masked routing, a
+    rank with no tokens and one with fewer than a chunk."""
+    if nodes > 1 and torch.cuda.is_available():
+        pytest.skip("compiled multi-node kernels call NVSHMEM (tests/test_gpu.py, 2x2)")
+    cfg = make_cfg(4, dispatch, combine, nodes=nodes, max_tokens_per_rank=320, num_sms=budget)
+    sims = sims_for(cfg)
+    for rnd, (routing, mask) in enumerate([("skewed", 0.0), ("uniform", 0.2)]):
+        with recorded_launches() as launches:
+            run_round(cfg, sims, make_round(cfg, [300, 0, 257, 40], seed=820 + rnd, routing=routing, mask=mask))
+        kernels = {r.kernel for r in launches}
+        assert "_chunk_count_kernel" in kernels and ("_chunk_assign_kernel" in kernels) == (dispatch == "nvfp4")
+        assert all(r.programs <= budget for r in launches if "dispatch" in r.kernel or "chunk" in r.kernel)
+
+
 @on_cpu_only
 def test_puts_touch_only_other_nodes():
     """Ranks on this node get stores, never staging: the send rows of a rank whose peers all
