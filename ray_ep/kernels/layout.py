@@ -69,6 +69,8 @@ def _scan_blocks_kernel(counts_ptr, B, C, totals_ptr, BR: tl.constexpr, BC: tl.c
 # (token, expert)); each expert's last (token, k) in the block moves the running row on.
 # (4096 tokens, 256 experts, from CUDA graphs on one H200: 24 SMs 147.5 -> 56.7 us, 16 SMs
 # 207.3 -> 76.2, every SM 28.7 -> 26.6 against three launches of one-hot tiles; docs/perf.md v17.)
+# The count launch also gives block_bases its counts (one 16-token block per chunk), and a
+# bf16 or fp8 send under a budget walks its chunks itself (chunk_start, assign_block).
 @triton.jit(do_not_specialize=["T", "CT", "NC"])
 def _chunk_count_kernel(ids_ptr, stride_t, T, CT, NC, counts_ptr, K: tl.constexpr, L, E, R,
                         TB: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
