@@ -184,14 +184,14 @@ def _check_ids(topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int
         raise ValueError(f"world_size and experts_per_rank must be positive, got {world_size}, {experts_per_rank}")
 
 
-def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int, num_sms: int | None = None
+def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(bases [B, E + R], totals [E + R]) for blocks of :func:`block_tokens` tokens, int32.
 
     ``bases[b]``: rows of the tokens before block b, per expert then per destination rank;
-    ``totals``: the same over all T tokens (expert_counts then rank_counts). Two launches
-    (counts per block, then a scan over blocks, column groups in parallel), each on at most
-    ``num_sms`` programs when given.
+    ``totals``: the same over all T tokens (expert_counts then rank_counts). Two launches on
+    every SM (the dispatch without a budget): counts per block, then a scan over blocks,
+    column groups in parallel.
     """
     _check_ids(topk_ids_TK, world_size, experts_per_rank)
     T, K = topk_ids_TK.shape
@@ -203,13 +203,13 @@ def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank:
     bases = torch.empty(B, E + R, dtype=torch.int32, device=dev)
     totals = torch.empty(E + R, dtype=torch.int32, device=dev)
     # the counts per block are chunk counts with one block per chunk
-    launch(_chunk_count_kernel, work=B, device=dev, budget=num_sms, resident=False,
+    launch(_chunk_count_kernel, work=B, device=dev, budget=None, resident=False,
            args=dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, CT=bt, NC=B, counts_ptr=bases,
                      L=L, E=E, R=R),
            meta=dict(K=K, K_PAD=triton.next_power_of_2(K), R_PAD=triton.next_power_of_2(R), TB=bt,
                      E_PAD=triton.next_power_of_2(E)))
     bc = 32
-    launch(_scan_blocks_kernel, work=triton.cdiv(E + R, bc), device=dev, budget=num_sms, resident=False,
+    launch(_scan_blocks_kernel, work=triton.cdiv(E + R, bc), device=dev, budget=None, resident=False,
            args=dict(counts_ptr=bases, B=B, C=E + R, totals_ptr=totals), meta=dict(BR=64, BC=bc))
     return bases, totals
 
