@@ -953,10 +953,14 @@ def test_tiles_under_an_sm_budget(monkeypatch, R, sum_channels):
     rows, send, summed, warps = C._tile(cfg, SimpleNamespace(device=cpu), None, 4096)
     assert (rows, send["BLOCK_H"], summed["BLOCK_HS"], warps) == (1, 1024, 1024, 4)
     # a token per SM or fewer (decode; the CPU stands in for 4 SMs): a combine program takes
-    # 4096 channels of its row per step, 16 warps; an SM budget keeps its tile
+    # 4096 channels of its row per step, 16 warps, a send 2048 at 8 warps; an SM budget keeps
+    # its tile
     rows, send, summed, warps = C._tile(cfg, SimpleNamespace(device=cpu), None, 4)
     assert (rows, send["BLOCK_H"], summed["BLOCK_HS"], warps) == (1, 4096, 4096, 16)
     assert C._tile(cfg, SimpleNamespace(device=cpu), 24, 4)[3] == 32
-    assert _util.comm_tile(cfg.hidden_size, cpu, None, "dispatch", tokens=4) == (1, 1024, 4)
+    assert _util.comm_tile(cfg.hidden_size, cpu, None, "dispatch", tokens=4) == (1, 2048, 8)
+    assert D._send_tile(cfg.model_copy(update={"dispatch_dtype": "fp8"}), cpu, None, 4) == (1, 2048, 8)
+    assert D._send_tile(cfg, cpu, None, 5) == (1, 1024, 4)  # more tokens than SMs
+    assert D._send_tile(cfg, cpu, 24, 4) == (8, 2048, 32)
     # a narrow model takes its whole row per step
     assert _util.comm_tile(256, cpu, 24, "combine", channels=4096) == (8, 256, 32)

@@ -43,15 +43,16 @@ def _compile(*flags: str) -> str:
 def test_single_node_kernels_compile(dtype):
     out = _compile(*([f"--{dtype}"] if dtype != "bf16" else []))
     lines = [line for line in out.splitlines() if line.startswith("OK")]
-    # fused, send and recv of dispatch and combine; the dispatch's fused and send twice (the
-    # small-batch layout and the one from block bases), the combine's three twice (a token per
-    # SM or fewer takes wider steps); all of it again under an SM budget but the dispatch's
-    # receive (the same tile) and the combine's small-batch step; nvfp4 adds its quantise and
+    # fused, send and recv of dispatch and combine; the dispatch's fused and send three times
+    # (the small-batch layout, in wider steps with a token per SM or fewer, and the layout from
+    # block bases), the combine's three twice (a token per SM or fewer takes wider steps); all
+    # of it again under an SM budget but the dispatch's receive (the same tile) and the
+    # small-batch steps; nvfp4 adds its quantise and
     # dequantise kernels, and the pass that decodes nvfp4 rows for a bf16-weight grouped GEMM
     # and that GEMM; plus the layout kernels: block_bases' two (counts per token block, their
     # scan) for a send with every SM; under a budget the counts per chunk, then the assign
     # inside the bf16 / fp8 send, or in compute_layout's second launch for nvfp4
-    assert len(lines) == (26 if dtype == "nvfp4" else 21), out
+    assert len(lines) == (28 if dtype == "nvfp4" else 23), out
     assert all("nvshmem=False" in line for line in lines), out
     # rows leave in 8- or 16-byte vector stores, never byte by byte: the peer pointers carry
     # their 16-byte alignment (before they did not, and every bf16 row went out in 2-byte

@@ -11,7 +11,8 @@ Protocol (one round of one group, dispatch or combine):
 3. receivers poll their R signals with acquire semantics until each is ``>= epoch + 1``
    (monotonic, so nothing is ever cleared and a fast peer running ahead cannot be missed),
    bounded by a timeout that sets error bits instead of hanging;
-4. the last program of the receive launch advances the rank's epoch.
+4. the last program of the receive launch advances the rank's epoch (its counter at GPU
+   scope: nothing outside this GPU waits on it).
 """
 
 from __future__ import annotations
@@ -43,11 +44,19 @@ def peer_ptr(peer_bases_ptr, rank, offset_bytes, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def last_program_done(counter_ptr):
-    """Count this program as finished (release, system scope); True for the last one, which
-    also resets the counter for the next launch. Call after all of the program's stores."""
+def last_program_done(counter_ptr, SYSTEM: tl.constexpr):
+    """Count this program as finished (release); True for the last one, which also resets the
+    counter for the next launch. Call after all of the program's stores.
+
+    SYSTEM (a send): the last program releases signals that publish every program's stores to
+    peers, so the count is released at system scope. Otherwise (a receive, whose last program
+    only advances this GPU's epoch for the next launch on it) at GPU scope, which does not wait
+    for this GPU's writes to reach other GPUs."""
     tl.debug_barrier()  # every thread's stores happen before the release below
-    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    if SYSTEM:
+        old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    else:
+        old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     last = old == tl.num_programs(0) - 1
     if last:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")

@@ -50,9 +50,9 @@ COMM_WARPS = 4  # warps per row of a communication kernel's tile (see comm_tile)
 # rows per program and channels per step under an SM budget (see comm_tile)
 BUDGET_ROWS = {"dispatch": 8, "combine": 8}
 BUDGET_CHANNELS = {"dispatch": 2048, "combine": 1024}
-# small batches (at most one token per SM: decode): channels per step of a combine program's row
-# at 8 per thread (one 16-byte bf16 vector per row in flight), see comm_tile
-SMALL_BATCH_CHANNELS = {"combine": 4096}
+# small batches (at most one token per SM: decode): channels per step of a program's row at 8
+# per thread (one 16-byte bf16 vector per row in flight), see comm_tile
+SMALL_BATCH_CHANNELS = {"combine": 4096, "dispatch": 2048}
 
 # Per-SM limits of Hopper (sm_90, H100 / H200; CUDA occupancy tables): they bound how many
 # programs of a kernel are resident at once
@@ -201,11 +201,13 @@ def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str,
     of 1024: combine 779 -> 610 / 1115 -> 881 us. Pipelining the channel loop with cp.async,
     2 or 3 stages, was slower for both: dispatch bf16 287-413 us, combine 974-1427 at 24 SMs).
 
-    Without a budget and with at most one token per SM (``tokens``: decode), a combine program
-    takes SMALL_BATCH_CHANNELS of its row per step with a warp per 256 of them: a row's steps
+    Without a budget and with at most one token per SM (``tokens``: decode), a program takes
+    SMALL_BATCH_CHANNELS[kind] of its row per step with a warp per 256 of them: a row's steps
     run one after another, so fewer, wider steps end it sooner (decode, 2x H200, 128 tokens:
     combine 25.5 -> 22.0 us, from CUDA graphs 25.1 -> 21.3 at 4096 channels and 16 warps;
-    8192 channels 24.2; the same for dispatch was slower: bf16 23.6 -> 25.3 us).
+    8192 channels 24.2). Dispatch at 2048 channels and 8 warps, against 1024 at 4, from CUDA
+    graphs: fp8 25.7 -> 25.2 us on 4x H200, 22.4 -> 21.6 on 2x H200 (bf16 22.2 -> 22.3); 4096
+    at 16 warps 23.2, 2048 at 16 warps 24.7 (2x H200, fp8).
     """
     rows, step = tile_shape(H, device, multiple)
     if budget and not interpreted():

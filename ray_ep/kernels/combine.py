@@ -184,7 +184,7 @@ def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
                   off_ready, epoch, rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB,
                   REMOTE, EMULATE, PULL, PB)
-    if last_program_done(send_counter_ptr):
+    if last_program_done(send_counter_ptr, True):
         if not PULL:  # pull: the blocks' flags are the signals
             _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
 
@@ -200,7 +200,7 @@ def _combine_recv_kernel(signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, o
         _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr, off_x,
                   rank, ready_ptr, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, HAS_ADD, BT, BLOCK_HS, PULL,
                   PB, USE_TIMER)
-    if last_program_done(recv_counter_ptr):
+    if last_program_done(recv_counter_ptr, False):
         tl.store(epochs_ptr, epoch + 1)
 
 
@@ -217,13 +217,13 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
                   0, epoch, rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE,
                   EMULATE, False, 1)
-    if last_program_done(send_counter_ptr):
+    if last_program_done(send_counter_ptr, True):
         _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
         _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr, off_x,
                   rank, signal_ptr, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, HAS_ADD, BT, BLOCK_HS, False,
                   1, USE_TIMER)
-    if last_program_done(recv_counter_ptr):
+    if last_program_done(recv_counter_ptr, False):
         tl.store(epochs_ptr, epoch + 1)
 
 

@@ -121,16 +121,6 @@ def _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, bases_
 
 
 @triton.jit
-def _take_totals(totals_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """Last program of a self-laid-out send: move the summed totals to the layout's counts
-    and leave zeros for the next launch."""
-    for i0 in range(0, n, BLOCK):
-        i = i0 + tl.arange(0, BLOCK)
-        tl.store(out_ptr + i, tl.atomic_xchg(totals_ptr + i, 0, mask=i < n, sem="relaxed"), mask=i < n)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr, totals_ptr,
                bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L,
                ranks_per_node, CT, NC,
@@ -305,25 +295,38 @@ def _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off
 
 
 @triton.jit
-def _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
-             rank, R, L, ranks_per_node, value, L_PAD: tl.constexpr, R_PAD: tl.constexpr, REMOTE: tl.constexpr,
-             EMULATE: tl.constexpr):
+def _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr, totals_ptr,
+             rank, R, L, ranks_per_node, value, L_PAD: tl.constexpr, R_PAD: tl.constexpr, TAKE: tl.constexpr,
+             REMOTE: tl.constexpr, EMULATE: tl.constexpr):
     """Last program of a send: counts then one signal per destination (stores and a release
-    on this node, a put-with-signal of the staged counts to other nodes)."""
+    on this node, a put-with-signal of the staged counts to other nodes). Every destination's
+    counts in one tile: a loop over destinations would wait on each one's loads in turn.
+    TAKE (LAYOUT_SCANNED): the counts are the send's running totals, taken (zeros left for the
+    next launch) and kept as the layout's counts."""
+    d = tl.arange(0, R_PAD)
     e = tl.arange(0, L_PAD)
-    for d in range(R):
-        n_rows = tl.load(rank_counts_ptr + d)
-        per_expert = tl.load(expert_counts_ptr + d * L + e, mask=e < L)
-        if other_node(rank, d, ranks_per_node):
-            cnt = peer_ptr(peer_bases_ptr, rank, off_scounts, tl.int32) + d * (L + 1)
-        else:
-            cnt = peer_ptr(peer_bases_ptr, d, off_counts, tl.int32) + rank * (L + 1)
-        tl.store(cnt, n_rows)
-        tl.store(cnt + 1 + e, per_expert, mask=e < L)
-        if REMOTE:
-            if other_node(rank, d, ranks_per_node):
-                staged(EMULATE)
-                put_signal(peer_bases_ptr, rank, d, off_counts + rank * (L + 1) * 4, off_scounts + d * (L + 1) * 4,
+    dm = d < R
+    m2 = dm[:, None] & (e[None, :] < L)
+    if TAKE:
+        per_expert = tl.atomic_xchg(totals_ptr + d[:, None] * L + e[None, :], 0, mask=m2, sem="relaxed")
+        n_rows = tl.atomic_xchg(totals_ptr + R * L + d, 0, mask=dm, sem="relaxed")
+        tl.store(expert_counts_ptr + d[:, None] * L + e[None, :], per_expert, mask=m2)
+        tl.store(rank_counts_ptr + d, n_rows, mask=dm)
+    else:
+        per_expert = tl.load(expert_counts_ptr + d[:, None] * L + e[None, :], mask=m2, other=0)
+        n_rows = tl.load(rank_counts_ptr + d, mask=dm, other=0)
+    # on this node: row ``rank`` of d's counts; on another node: row d of this rank's staging counts
+    far = other_node(rank, d, ranks_per_node)
+    base = tl.load(peer_bases_ptr + tl.where(far, rank, d), mask=dm, other=0)
+    cnt = tl.where(far, base + off_scounts + d * (L + 1) * 4, base + off_counts + rank * (L + 1) * 4)
+    cnt = cnt.to(tl.pointer_type(tl.int32))
+    tl.store(cnt, n_rows, mask=dm)
+    tl.store(cnt[:, None] + 1 + e[None, :], per_expert, mask=m2)
+    if REMOTE:
+        staged(EMULATE)  # every thread's staged counts before the puts read them
+        for r in range(R):
+            if other_node(rank, r, ranks_per_node):
+                put_signal(peer_bases_ptr, rank, r, off_counts + rank * (L + 1) * 4, off_scounts + r * (L + 1) * 4,
                            (L + 1) * 4, off_signal + rank * 8, value, EMULATE)
     tl.debug_barrier()  # the counts of all threads before the release
     release_signals(peer_bases_ptr, R, ranks_per_node, off_signal, rank, value, R_PAD)
@@ -402,11 +405,9 @@ def _dispatch_send_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w,
                bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L,
                ranks_per_node, CT, NC, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB,
                NVFP4, BRANCHLESS, PREFETCH, C_PAD)
-    if last_program_done(send_counter_ptr):
-        if OWN_LAYOUT == LAYOUT_SCANNED:
-            _take_totals(totals_ptr, expert_counts_ptr, R * L + R, 256)
-        _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
-                 rank, R, L, ranks_per_node, epoch + 1, L_PAD, R_PAD, REMOTE, EMULATE)
+    if last_program_done(send_counter_ptr, True):
+        _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr, totals_ptr,
+                 rank, R, L, ranks_per_node, epoch + 1, L_PAD, R_PAD, OWN_LAYOUT == LAYOUT_SCANNED, REMOTE, EMULATE)
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -419,7 +420,7 @@ def _dispatch_recv_kernel(signal_ptr, counts_ptr, meta_ptr, epochs_ptr, recv_cou
     _recv_layout(signal_ptr, counts_ptr, meta_ptr, epoch + 1, status_ptr, scratch_ptr,
                  row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                  rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins, K, K_PAD, R_PAD, L_PAD, A_PAD, BJ, USE_TIMER)
-    if last_program_done(recv_counter_ptr):
+    if last_program_done(recv_counter_ptr, False):
         tl.store(epochs_ptr, epoch + 1)
 
 
@@ -442,15 +443,13 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
                bases_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, L,
                ranks_per_node, CT, NC, K, K_PAD, R_PAD, FP8, BT, BLOCK_H, REMOTE, EMULATE, OWN_LAYOUT, CH, SB,
                NVFP4, BRANCHLESS, PREFETCH, C_PAD)
-    if last_program_done(send_counter_ptr):
-        if OWN_LAYOUT == LAYOUT_SCANNED:
-            _take_totals(totals_ptr, expert_counts_ptr, R * L + R, 256)
-        _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr,
-                 rank, R, L, ranks_per_node, epoch + 1, L_PAD, R_PAD, REMOTE, EMULATE)
+    if last_program_done(send_counter_ptr, True):
+        _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr, totals_ptr,
+                 rank, R, L, ranks_per_node, epoch + 1, L_PAD, R_PAD, OWN_LAYOUT == LAYOUT_SCANNED, REMOTE, EMULATE)
     _recv_layout(signal_ptr, counts_ptr, meta_ptr, epoch + 1, status_ptr, scratch_ptr,
                  row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                  rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins, K, K_PAD, R_PAD, L_PAD, A_PAD, BJ, USE_TIMER)
-    if last_program_done(recv_counter_ptr):
+    if last_program_done(recv_counter_ptr, False):
         tl.store(epochs_ptr, epoch + 1)
 
 
@@ -474,11 +473,12 @@ SCAN_CHUNK = {int(LAYOUT_SCANNED): 64, int(LAYOUT_FROM_BASES): 32}
 CHUNKED_SEND_DTYPES = ("bf16", "fp8")
 
 
-def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None) -> tuple[int, int, int]:
-    """(rows, channels, warps) of a send program: a step holds whole fp8 groups, or pairs of
-    whole nvfp4 blocks (H / 2 bytes and H / 16 scales)."""
+def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: int | None = None
+               ) -> tuple[int, int, int]:
+    """(rows, channels, warps) of a send program of ``tokens`` tokens: a step holds whole fp8
+    groups, or pairs of whole nvfp4 blocks (H / 2 bytes and H / 16 scales)."""
     multiple = {"fp8": FP8_GROUP, "nvfp4": 32}.get(cfg.dispatch_dtype, 8)
-    return comm_tile(cfg.hidden_size, device, budget, "dispatch", multiple=multiple)
+    return comm_tile(cfg.hidden_size, device, budget, "dispatch", multiple=multiple, tokens=tokens)
 
 
 def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchLayout | None,
@@ -534,7 +534,7 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
                 bases: torch.Tensor | None, chunk: int, bufs: SymmetricBuffers, ws: Workspace, budget: int | None
                 ) -> tuple[dict, dict, int]:
     """Arguments, constexprs and warps of the send half (its tile depends on the SM budget)."""
-    bt, bh, warps = _send_tile(cfg, x_TH.device, budget)
+    bt, bh, warps = _send_tile(cfg, x_TH.device, budget, x_TH.shape[0])
     R, L = cfg.world_size, cfg.experts_per_rank
     args = dict(x_ptr=x_TH, stride_x=x_TH.stride(0), ids_ptr=topk_ids_TK, stride_ids=topk_ids_TK.stride(0),
                 w_ptr=topk_weights_TK, stride_w=topk_weights_TK.stride(0), slots_ptr=layout.token_slots_TR,
