@@ -1,6 +1,6 @@
 """quantize_nvfp4 / dequantize_nvfp4 (Triton) against their torch twins and the oracle.
 
-Three implementations written apart (kernels/nvfp4.py: summed comparisons and integer packing;
+Three implementations written apart (kernels/nvfp4.py: the smallest of three rounded sums, integer packing;
 ray_ep/nvfp4.py: the twin; reference.py: nearest grid point in fp64) must give the same bytes:
 codes, sign of zero and block scales. Without CUDA the kernels run in Triton's CPU interpreter;
 with CUDA the same tests run compiled. Legend: T rows, H channels, P = H / 2 packed bytes,
@@ -130,6 +130,17 @@ def test_just_off_the_midpoints():
     v = values_of(q)[0]
     assert v[:7].tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0]
     assert v[7:14].tolist() == [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def test_magnitude_rounded_before_its_code():
+    # s = 1.125 (amax 6.75), so 1 / s is not exact in fp32: each x below times fp32(1 / s) is a
+    # midpoint once rounded to fp32, but a little above it exactly. The code is that of the
+    # rounded magnitude (the tie's even side); a product fused into the code's rounding sum
+    # (one rounding, as a GPU would contract it) would round up instead
+    x = torch.tensor([0.28125, 0.84375, 1.40625, 1.96875, 2.8125, 3.9375, 5.625, 6.75] + [0.0] * 8)
+    q, s = check_quant(x.reshape(1, 16).to(device))
+    assert s.float().item() == 1.125
+    assert values_of(q)[0, :8].tolist() == TIES_TO + [6.0]
 
 
 def test_named_values():

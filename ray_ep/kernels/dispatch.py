@@ -30,19 +30,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import FP8_GROUP, NVFP4_GLOBAL_SCALE, EPConfig, nvfp4_row_bytes
+from ..config import FP8_GROUP, NVFP4_BLOCK, NVFP4_GLOBAL_SCALE, EPConfig, nvfp4_row_bytes
 from ..fp8 import quantize_fp8_torch
 from ..nvfp4 import quantize_nvfp4_torch, wire_views
 from ..types import DispatchHandle, DispatchLayout, RecvLayout
 from ..validation import check_send_inputs
 from ._shmem import other_node, put_bytes, put_signal, quiet, staged
 from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signals, wait_signals
-from ._util import comm_tile, interpreted, launch, remote_meta, timeouts
+from ._util import COMM_WARPS, comm_tile, interpreted, launch, num_sms, remote_meta, timeouts
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 from .layout import (CHUNK_ROWS, assign_block, block_bases, block_tokens, chunk_start, compute_layout,
                      compute_layout_torch, count_chunks)
-from .nvfp4 import quantize_nvfp4_tile, wire_row_bytes
+from .nvfp4 import block_offsets, quantize_nvfp4_blocks, wire_row_bytes
 from .quant import quantize_group
 
 _STATUS_OVERFLOW = tl.constexpr(STATUS_OVERFLOW)
@@ -165,6 +165,61 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
 
 
 @triton.jit
+def _dest_rows(slots_ptr, toks, tm, d, N, rank, R, ranks_per_node, BRANCHLESS: tl.constexpr):
+    """(rows at destination d [BT] int64, which tokens go to d, whether to store at all) of a
+    block of tokens: d's rows are on this node (stores; others are put from the staged rows).
+    BRANCHLESS: masked stores instead of a block-wide "any row for d?" test on each step (one
+    row per program: the test is cheap and skips the row's dead destinations)."""
+    near = (d // ranks_per_node) == (rank // ranks_per_node)
+    slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & near, other=-1)
+    ok = slot >= 0
+    any_row = True if BRANCHLESS else tl.max(ok.to(tl.int32), axis=0) > 0
+    return (rank * N + slot).to(tl.int64), ok, any_row
+
+
+@triton.jit
+def _send_nvfp4_rows(x_row3, toks, tm, slots_ptr, peer_bases_ptr, off_x, off_sx, H, N, rank, R, ranks_per_node,
+                     R_PAD: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, BRANCHLESS: tl.constexpr,
+                     PREFETCH: tl.constexpr):
+    """Quantise rows (x_row3 [1, BT, 1]: their first channels) to nvfp4 wire rows in steps of
+    BLOCK_H channels and store them at every destination (REMOTE: and in this rank's staged
+    rows). A wire row holds H / 2 packed bytes, then H / 16 block scales (see
+    :func:`ray_ep.config.nvfp4_row_bytes`); a step's tile is [blocks, rows], a whole block per
+    thread (:func:`ray_ep.kernels.nvfp4.quantize_nvfp4_blocks`)."""
+    NB: tl.constexpr = BLOCK_H // 16
+    W = wire_row_bytes(H)
+    tm3 = tm[None, :, None]
+    if PREFETCH:  # as the fp8 send: the next step's channels load while this one quantises
+        c = block_offsets(0, NB)
+        lo_next = tl.load(x_row3 + c, mask=tm3 & (c < H), other=0.0)
+        hi_next = tl.load(x_row3 + c + 8, mask=tm3 & (c < H), other=0.0)
+    for h0 in range(0, H, BLOCK_H):
+        if PREFETCH:
+            lo, hi = lo_next, hi_next
+            c = block_offsets(h0 + BLOCK_H, NB)
+            lo_next = tl.load(x_row3 + c, mask=tm3 & (c < H), other=0.0)
+            hi_next = tl.load(x_row3 + c + 8, mask=tm3 & (c < H), other=0.0)
+        else:
+            c = block_offsets(h0, NB)
+            lo = tl.load(x_row3 + c, mask=tm3 & (c < H), other=0.0)
+            hi = tl.load(x_row3 + c + 8, mask=tm3 & (c < H), other=0.0)
+        packed, s = quantize_nvfp4_blocks(lo.to(tl.float32), hi.to(tl.float32), _NVFP4_G)
+        # block b of the row: its 8 packed bytes at byte 8b (one int64), its scale at H / 2 + b
+        b = h0 // 16 + tl.arange(0, NB)[:, None]  # [NB, 1]
+        bm = b < H // 16
+        if REMOTE:
+            base = (peer_ptr(peer_bases_ptr, rank, off_sx, tl.uint8) + toks.to(tl.int64) * W)[None, :]
+            tl.store(base.to(tl.pointer_type(tl.int64)) + b, packed, mask=tm[None, :] & bm)
+            tl.store(base + H // 2 + b, s, mask=tm[None, :] & bm)
+        for d in tl.static_range(R_PAD):
+            row, ok, any_row = _dest_rows(slots_ptr, toks, tm, d, N, rank, R, ranks_per_node, BRANCHLESS)
+            if any_row:
+                base = (peer_ptr(peer_bases_ptr, d, off_x, tl.uint8) + row * W)[None, :]
+                tl.store(base.to(tl.pointer_type(tl.int64)) + b, packed, mask=ok[None, :] & bm)
+                tl.store(base + H // 2 + b, s, mask=ok[None, :] & bm)
+
+
+@triton.jit
 def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
                 peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm, T, H, N, rank, R, ranks_per_node,
                 K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, FP8: tl.constexpr, BT: tl.constexpr,
@@ -175,7 +230,6 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
     kk = tl.arange(0, K_PAD)
     km = kk < K
     SG: tl.constexpr = BLOCK_H // _FP8_GROUP if FP8 else 1
-    W = wire_row_bytes(H)  # bytes of an nvfp4 wire row (used only with NVFP4)
     tm = toks < T
     mk = tm[:, None] & km[None, :]
     ids = tl.load(ids_ptr + toks[:, None] * stride_ids + kk[None, :], mask=mk, other=-1)
@@ -188,77 +242,57 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
         tl.store(meta + K, ords, mask=mk)
         tl.store(meta + 2 * K, wbits, mask=mk)
     for d in tl.static_range(R_PAD):
-        near = (d // ranks_per_node) == (rank // ranks_per_node)  # on this node: stores
-        slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & near, other=-1)
-        ok = slot >= 0
-        if tl.max(ok.to(tl.int32), axis=0) > 0:
-            row = (rank * N + slot).to(tl.int64)
+        row, ok, any_row = _dest_rows(slots_ptr, toks, tm, d, N, rank, R, ranks_per_node, False)
+        if any_row:
             meta = peer_ptr(peer_bases_ptr, d, off_meta, tl.int32) + row[:, None] * (3 * K) + kk[None, :]
             mm = ok[:, None] & km[None, :]
             tl.store(meta, ids, mask=mm)
             tl.store(meta + K, ords, mask=mm)
             tl.store(meta + 2 * K, wbits, mask=mm)
     x_row = x_ptr + toks[:, None].to(tl.int64) * stride_x
-    if PREFETCH:
-        # the next step's channels load while this step quantises and stores: under an SM
-        # budget each program waits on its loads' latency, not on bandwidth
-        c0 = tl.arange(0, BLOCK_H)
-        x_next = tl.load(x_row + c0[None, :], mask=tm[:, None] & (c0[None, :] < H), other=0.0)
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        cm = cols < H
+    if NVFP4:
+        _send_nvfp4_rows(x_ptr + toks[None, :, None].to(tl.int64) * stride_x, toks, tm, slots_ptr, peer_bases_ptr, off_x, off_sx, H, N, rank, R,
+                         ranks_per_node, R_PAD, BLOCK_H, REMOTE, BRANCHLESS, PREFETCH)
+    else:
         if PREFETCH:
-            x = x_next
-            x_next = tl.load(x_row + BLOCK_H + cols[None, :], mask=tm[:, None] & (cols[None, :] + BLOCK_H < H),
-                             other=0.0)
-        else:
-            x = tl.load(x_row + cols[None, :], mask=tm[:, None] & cm[None, :], other=0.0)
-        if FP8:
-            q, s = quantize_group(x.to(tl.float32), SG)
-            g = h0 // _FP8_GROUP + tl.arange(0, SG)
-            gm = g[None, :] < H // _FP8_GROUP
-        if NVFP4:
-            # wire row: packed codes at bytes [0, H/2), block scales at [H/2, H/2 + H/16)
-            q, s = quantize_nvfp4_tile(x.to(tl.float32), _NVFP4_G)
-            pc = h0 // 2 + tl.arange(0, BLOCK_H // 2)
-            pm = pc[None, :] < H // 2
-            bc = h0 // 16 + tl.arange(0, BLOCK_H // 16)
-            bm = bc[None, :] < H // 16
-            bc += H // 2
-        if REMOTE:
-            if NVFP4:
-                px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.uint8) + toks[:, None].to(tl.int64) * W
-                tl.store(px + pc[None, :], q, mask=tm[:, None] & pm)
-                tl.store(px + bc[None, :], s, mask=tm[:, None] & bm)
-            elif FP8:
-                px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.float8e4nv)
-                tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], q, mask=tm[:, None] & cm[None, :])
-                ps = peer_ptr(peer_bases_ptr, rank, off_ss, tl.float32)
-                tl.store(ps + toks[:, None].to(tl.int64) * (H // _FP8_GROUP) + g[None, :], s, mask=tm[:, None] & gm)
+            # the next step's channels load while this step quantises and stores: under an SM
+            # budget each program waits on its loads' latency, not on bandwidth
+            c0 = tl.arange(0, BLOCK_H)
+            x_next = tl.load(x_row + c0[None, :], mask=tm[:, None] & (c0[None, :] < H), other=0.0)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cm = cols < H
+            if PREFETCH:
+                x = x_next
+                x_next = tl.load(x_row + BLOCK_H + cols[None, :], mask=tm[:, None] & (cols[None, :] + BLOCK_H < H),
+                                 other=0.0)
             else:
-                px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.bfloat16)
-                tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], x, mask=tm[:, None] & cm[None, :])
-        for d in tl.static_range(R_PAD):
-            near = (d // ranks_per_node) == (rank // ranks_per_node)
-            slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & near, other=-1)
-            ok = slot >= 0
-            # BRANCHLESS: masked stores instead of a block-wide "any row for d?" test on each step
-            # (one row per program: the test is cheap and skips the row's dead destinations)
-            any_row = True if BRANCHLESS else tl.max(ok.to(tl.int32), axis=0) > 0
-            if any_row:
-                row = (rank * N + slot).to(tl.int64)
-                if NVFP4:
-                    px = peer_ptr(peer_bases_ptr, d, off_x, tl.uint8) + row[:, None] * W
-                    tl.store(px + pc[None, :], q, mask=ok[:, None] & pm)
-                    tl.store(px + bc[None, :], s, mask=ok[:, None] & bm)
-                elif FP8:
-                    px = peer_ptr(peer_bases_ptr, d, off_x, tl.float8e4nv)
-                    tl.store(px + row[:, None] * H + cols[None, :], q, mask=ok[:, None] & cm[None, :])
-                    ps = peer_ptr(peer_bases_ptr, d, off_scales, tl.float32)
-                    tl.store(ps + row[:, None] * (H // _FP8_GROUP) + g[None, :], s, mask=ok[:, None] & gm)
+                x = tl.load(x_row + cols[None, :], mask=tm[:, None] & cm[None, :], other=0.0)
+            if FP8:
+                q, s = quantize_group(x.to(tl.float32), SG)
+                g = h0 // _FP8_GROUP + tl.arange(0, SG)
+                gm = g[None, :] < H // _FP8_GROUP
+            if REMOTE:
+                if FP8:
+                    px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.float8e4nv)
+                    tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], q, mask=tm[:, None] & cm[None, :])
+                    ps = peer_ptr(peer_bases_ptr, rank, off_ss, tl.float32)
+                    tl.store(ps + toks[:, None].to(tl.int64) * (H // _FP8_GROUP) + g[None, :], s,
+                             mask=tm[:, None] & gm)
                 else:
-                    px = peer_ptr(peer_bases_ptr, d, off_x, tl.bfloat16)
-                    tl.store(px + row[:, None] * H + cols[None, :], x, mask=ok[:, None] & cm[None, :])
+                    px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.bfloat16)
+                    tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], x, mask=tm[:, None] & cm[None, :])
+            for d in tl.static_range(R_PAD):
+                row, ok, any_row = _dest_rows(slots_ptr, toks, tm, d, N, rank, R, ranks_per_node, BRANCHLESS)
+                if any_row:
+                    if FP8:
+                        px = peer_ptr(peer_bases_ptr, d, off_x, tl.float8e4nv)
+                        tl.store(px + row[:, None] * H + cols[None, :], q, mask=ok[:, None] & cm[None, :])
+                        ps = peer_ptr(peer_bases_ptr, d, off_scales, tl.float32)
+                        tl.store(ps + row[:, None] * (H // _FP8_GROUP) + g[None, :], s, mask=ok[:, None] & gm)
+                    else:
+                        px = peer_ptr(peer_bases_ptr, d, off_x, tl.bfloat16)
+                        tl.store(px + row[:, None] * H + cols[None, :], x, mask=ok[:, None] & cm[None, :])
     if REMOTE:
         _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm,
                          t0, T, H, N, rank, R, ranks_per_node, K, FP8, BT, EMULATE, NVFP4)
@@ -469,16 +503,31 @@ SCAN_CHUNK = {int(LAYOUT_SCANNED): 64, int(LAYOUT_FROM_BASES): 32}
 # chunked against compute_layout: fp8 311.1 / 425.6 us against 393.9 / 409.4, bf16 589.2 /
 # 578.2 against 577.9 / 618.4, nvfp4 405.6 / 577.5 against 376.9 / 535.3. bf16 and fp8 sends
 # wait on their remote stores, so the assign fills idle issue slots; nvfp4's send is bound by
-# its quantisation (as slow into its own buffer as to peers) and the assign lengthens it.
+# its quantisation (as slow into its own buffer as to peers) and the assign lengthens it (2x
+# H200, once a thread quantised whole blocks: 237.8 / 336.3 us after compute_layout, 262.2 /
+# 373.7 chunked).
 CHUNKED_SEND_DTYPES = ("bf16", "fp8")
 
 
 def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: int | None = None
                ) -> tuple[int, int, int]:
     """(rows, channels, warps) of a send program of ``tokens`` tokens: a step holds whole fp8
-    groups, or pairs of whole nvfp4 blocks (H / 2 bytes and H / 16 scales)."""
+    groups, or pairs of whole nvfp4 blocks (H / 2 bytes and H / 16 scales).
+
+    An nvfp4 thread quantises whole 16-channel blocks, so a step has a block for every thread
+    and no more threads than blocks: with every SM and a full batch, one row of 2048 channels
+    at 4 warps (1024 at 4 left half the threads repeating the others' work); decode keeps its
+    2048 channels, at 4 warps; a budget's 8 rows x 2048 fill its 32 warps. 2x H200, prefill
+    nvfp4 at every SM: 99.2 us with blocks split over two threads, 90.0 at 1024 channels and
+    2 warps, 83.9 at 2048 and 4 warps (fp8: 119.7); decode from CUDA graphs 20.7 -> 19.9."""
     multiple = {"fp8": FP8_GROUP, "nvfp4": 32}.get(cfg.dispatch_dtype, 8)
-    return comm_tile(cfg.hidden_size, device, budget, "dispatch", multiple=multiple, tokens=tokens)
+    rows, step, warps = comm_tile(cfg.hidden_size, device, budget, "dispatch", multiple=multiple, tokens=tokens)
+    if cfg.dispatch_dtype == "nvfp4" and not interpreted():
+        per_warp = 32 * NVFP4_BLOCK  # channels of a warp whose threads take a block each
+        if not budget and (tokens is None or tokens > num_sms(device)):
+            step = max(step, min(COMM_WARPS * per_warp, triton.next_power_of_2(cfg.hidden_size)))
+        warps = max(1, min(warps, rows * step // per_warp))
+    return rows, step, warps
 
 
 def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchLayout | None,

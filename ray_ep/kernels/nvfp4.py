@@ -6,8 +6,8 @@ Legend: T rows, H channels, P = H / 2 packed bytes, B = H / 16 scale blocks.
 The format and its rounding are defined in :mod:`ray_ep.nvfp4` (whose torch functions are the
 twins of these kernels). Hopper has no fp4 type: codes are built and unpacked with integer ops;
 the block scales are rounded to e4m3 by :func:`ray_ep.kernels.quant.to_e4m3`.
-The device helpers :func:`quantize_nvfp4_tile`, :func:`e2m1_to_f32` and :func:`e4m3_bits_to_f32`
-are shared with the dispatch send and the grouped GEMM.
+The device helpers :func:`quantize_nvfp4_blocks` (with :func:`block_offsets`), :func:`e2m1_to_f32`
+and :func:`e4m3_bits_to_f32` are shared with the dispatch send and the grouped GEMM.
 """
 
 from __future__ import annotations
@@ -18,55 +18,88 @@ import triton.language as tl
 
 from ..config import E2M1_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_SCALE
 from ..nvfp4 import check_dequantize_inputs, check_quantize_inputs
-from ._util import tile_shape
+from ._util import interpreted, tile_shape
 from .quant import to_e4m3
 
 _BLOCK = tl.constexpr(NVFP4_BLOCK)
 _E2M1_MAX = tl.constexpr(E2M1_MAX)
 _FP8_MAX = tl.constexpr(FP8_MAX)
+_INTERPRETED = tl.constexpr(interpreted())
+
+
+# 1.5 * 2^23: fp32 sums in [2^23, 2^24) step by 1, so adding it rounds to an integer (nearest even)
+_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
 def e2m1_codes(v):
     """int32 codes 0..7 of fp32 magnitudes v >= 0 on the e2m1 grid {0, 0.5, 1, 1.5, 2, 3, 4,
-    6}, rounded to nearest even and saturating at 6, in a few ops instead of a compare per
-    grid midpoint. Below 2 the grid steps by 0.5 and the codes count the steps: the code is 2v
-    rounded to an integer, which fp32 does itself when 1.5 * 2^23 (where its ulp is 1) is
-    added (the sum's bits less those of 1.5 * 2^23). From 2 up, e2m1 is fp32 with one
-    mantissa bit: round the bits to it (add half an ulp less one, plus the kept bit for ties)
-    and read exponent and bit as one number (2.0 is 256 -> code 4). Integer parity is
-    mantissa parity on both sides, so ties go to the even code.
+    6}, rounded to nearest even and saturating at 6, in seven float ops.
+
+    The grid steps by 0.5 below 2 (code 2v), by 1 up to 4 (code v + 2) and by 2 above (code
+    v / 2 + 4). Each sum below rounds its scaled v to an integer with fp32's own rounding
+    (nearest even: integer parity is code parity) and carries the code in its low bits; the
+    smallest of the three is the code of v's own range (below 2, 2v <= v + 2 <= v / 2 + 4;
+    from 2 up v + 2 is smallest, from 4 up v / 2 + 4), capped at 7.
     Example: 0.75 -> 2 (1.0), 1.25 -> 2, 1.75 -> 4 (2.0), 2.6 -> 5 (3.0), 9.0 -> 7 (6.0)."""
-    small = (v * 2.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # 0x4B400000: 1.5 * 2^23
-    bits = v.to(tl.int32, bitcast=True)
-    normal = tl.minimum(((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252, 7)
-    return tl.where(bits < 0x40000000, small, normal)  # 0x40000000: the bits of 2.0
+    t = tl.minimum(tl.minimum(v * 2.0 + _MAGIC, v + (_MAGIC + 2.0)),
+                   tl.minimum(v * 0.5 + (_MAGIC + 4.0), _MAGIC + 7.0))
+    return t.to(tl.int32, bitcast=True) & 7  # the sums' bits less those of _MAGIC (low bits 0)
 
 
 @triton.jit
-def quantize_nvfp4_tile(x, g):
-    """Quantise a [ROWS, C] fp32 tile (C a multiple of 32) with per-tensor scale g (fp32).
+def _mul_rn(a, b):
+    """fp32 a * b rounded before it is added to anything: a GPU would fuse the product into
+    the add that follows (one rounding instead of two), and the codes must be those of the
+    rounded magnitude, as in the torch twin and the interpreter."""
+    if _INTERPRETED:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
-    Returns (packed uint8 [ROWS, C / 2], block scales as e4m3 bits uint8 [ROWS, C / 16]).
-    Example (g = 1): a block with amax 3.0 gets scale 0.5 (bits 0x30); 1.3 in it is 2.6 ->
-    code 5 (3.0); -0.2 is 0.4 -> code 0x9 (-0.5).
+
+@triton.jit
+def _pack_half(x, inv):
+    """[A, B, 8] fp32 channels (half of each of A x B blocks) and the blocks' 1 / d [A, B] ->
+    int32 [A, B]: channel j's sign-and-code nibble at bits 4j (little-endian bytes: channel
+    2i in the low nibble of byte i)."""
+    # x's sign bit at bit 3: its bits' top nibble, as the high word of bits * 16 (a multiply:
+    # the send is bound by its integer and compare instructions, a shift would be one more)
+    sign = tl.umulhi(x.to(tl.uint32, bitcast=True), 16).to(tl.int32, bitcast=True) & 8
+    code = e2m1_codes(_mul_rn(tl.abs(x), inv[:, :, None])) | sign
+    shift = 4 * tl.arange(0, 8)
+    return tl.sum(code << shift[None, None, :], axis=2)  # disjoint bits: the sum is their or
+
+
+@triton.jit
+def quantize_nvfp4_blocks(lo, hi, g):
+    """Quantise nvfp4 blocks given as halves: lo, hi [A, B, 8] fp32 are channels 0-7 and 8-15
+    of A x B blocks (a tile of :func:`block_offsets`: [NB, ROWS]), with per-tensor scale g. A block's 16 channels are then one
+    thread's (a tile of whole blocks would spread them over two threads: a shuffle for each
+    amax, each scale worked out twice, and packed bytes moved between threads to be stored).
+
+    Returns (int64 [A, B]: each block's 8 packed bytes, little-endian; block scales as e4m3
+    bits uint8 [A, B]). Example (g = 1): a block with amax 3.0 gets scale 0.5 (bits 0x30); 1.3
+    in it is 2.6 -> code 5 (3.0); -0.2 is 0.4 -> code 0x9 (-0.5).
     """
-    ROWS: tl.constexpr = x.shape[0]
-    C: tl.constexpr = x.shape[1]
-    b = tl.reshape(x, (ROWS, C // _BLOCK, _BLOCK))
-    amax = tl.max(tl.abs(b), axis=2)
+    amax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
     six_g = tl.full(amax.shape, _E2M1_MAX, tl.float32) * g
     s8 = to_e4m3(tl.minimum(tl.math.div_rn(amax, six_g), _FP8_MAX))  # >= 0
-    s = s8.to(tl.float32)
-    d = s * g
+    d = s8.to(tl.float32) * g
     pos = d > 0
     inv = tl.where(pos, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(pos, d, 1.0)), 0.0)
-    v = tl.abs(b) * inv[:, :, None]
-    sign = (b.to(tl.int32, bitcast=True) >> 28) & 8  # the sign bit of x at code bit 3, -0.0 included
-    code = tl.reshape(e2m1_codes(v) | sign, (ROWS, C // 2, 2))
-    lo, hi = tl.split(code)  # channel 2i in the low nibble of byte i
-    packed = (lo | (hi << 4)).to(tl.uint8)
+    packed = _pack_half(lo, inv).to(tl.uint32).to(tl.int64) | (_pack_half(hi, inv).to(tl.int64) << 32)
     return packed, s8.to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def block_offsets(h0, NB: tl.constexpr):
+    """Channel offsets [NB, 1, 8] of the low halves of the NB blocks from channel h0 (the high
+    halves are 8 further). Tiles of blocks are [NB, ROWS, 8], blocks first: Triton lays out a
+    tile's threads along its contiguous axis, then along the first of the others, so a warp
+    takes neighbouring blocks of a row (its loads and stores coalesce) and the block scales
+    [NB, ROWS] keep the same threads (no exchange through shared memory to store them)."""
+    return h0 + 16 * tl.arange(0, NB)[:, None, None] + tl.arange(0, 8)[None, None, :]
 
 
 @triton.jit
@@ -111,18 +144,21 @@ def unpack_nvfp4_tile(packed, bits, global_scale):
 @triton.jit
 def _quantize_nvfp4_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_x, global_scale,
                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """q_ptr: the packed bytes as int64 [T, H / 16] (a block's 8 bytes each)."""
+    NB: tl.constexpr = BLOCK_H // _BLOCK
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    rmask = rows[:, None] < T
-    r64 = rows[:, None].to(tl.int64)
+    r = rows[None, :].to(tl.int64)  # [1, BLOCK_T]
     for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=rmask & (cols[None, :] < H), other=0.0)
-        q, s = quantize_nvfp4_tile(x.to(tl.float32), global_scale)
-        pc = h0 // 2 + tl.arange(0, BLOCK_H // 2)
-        tl.store(q_ptr + r64 * (H // 2) + pc[None, :], q, mask=rmask & (pc[None, :] < H // 2))
-        bc = h0 // _BLOCK + tl.arange(0, BLOCK_H // _BLOCK)
-        tl.store(s_ptr + r64 * (H // _BLOCK) + bc[None, :], s, mask=rmask & (bc[None, :] < H // _BLOCK))
+        c = block_offsets(h0, NB)
+        m = (r[:, :, None] < T) & (c < H)
+        lo = tl.load(x_ptr + r[:, :, None] * stride_x + c, mask=m, other=0.0)
+        hi = tl.load(x_ptr + r[:, :, None] * stride_x + c + 8, mask=m, other=0.0)
+        packed, s = quantize_nvfp4_blocks(lo.to(tl.float32), hi.to(tl.float32), global_scale)
+        b = h0 // _BLOCK + tl.arange(0, NB)[:, None]  # [NB, 1]
+        m = (r < T) & (b < H // _BLOCK)
+        tl.store(q_ptr + r * (H // _BLOCK) + b, packed, mask=m)
+        tl.store(s_ptr + r * (H // _BLOCK) + b, s, mask=m)
 
 
 @triton.jit
@@ -157,8 +193,11 @@ def quantize_nvfp4(*, x_TH: torch.Tensor, global_scale: float = NVFP4_GLOBAL_SCA
     s = torch.empty(T, H // NVFP4_BLOCK, dtype=torch.uint8, device=x_TH.device)
     if T:
         bt, bh = tile_shape(H, x_TH.device, multiple=2 * NVFP4_BLOCK)
-        _quantize_nvfp4_kernel[(triton.cdiv(T, bt),)](x_ptr=x_TH, q_ptr=q, s_ptr=s, T=T, H=H, stride_x=x_TH.stride(0),
-                                                       global_scale=float(global_scale), BLOCK_T=bt, BLOCK_H=bh)
+        # a whole block per thread: no more threads than blocks in the tile
+        warps = max(1, min(4, bt * bh // (NVFP4_BLOCK * 32)))
+        _quantize_nvfp4_kernel[(triton.cdiv(T, bt),)](x_ptr=x_TH, q_ptr=q.view(torch.int64), s_ptr=s, T=T, H=H,
+                                                       stride_x=x_TH.stride(0), global_scale=float(global_scale),
+                                                       BLOCK_T=bt, BLOCK_H=bh, num_warps=warps)
     return q, s.view(torch.float8_e4m3fn)
 
 
