@@ -249,11 +249,11 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
             tl.store(meta, ids, mask=mm)
             tl.store(meta + K, ords, mask=mm)
             tl.store(meta + 2 * K, wbits, mask=mm)
-    x_row = x_ptr + toks[:, None].to(tl.int64) * stride_x
     if NVFP4:
-        _send_nvfp4_rows(x_ptr + toks[None, :, None].to(tl.int64) * stride_x, toks, tm, slots_ptr, peer_bases_ptr, off_x, off_sx, H, N, rank, R,
-                         ranks_per_node, R_PAD, BLOCK_H, REMOTE, BRANCHLESS, PREFETCH)
+        _send_nvfp4_rows(x_ptr + toks[None, :, None].to(tl.int64) * stride_x, toks, tm, slots_ptr, peer_bases_ptr,
+                         off_x, off_sx, H, N, rank, R, ranks_per_node, R_PAD, BLOCK_H, REMOTE, BRANCHLESS, PREFETCH)
     else:
+        x_row = x_ptr + toks[:, None].to(tl.int64) * stride_x
         if PREFETCH:
             # the next step's channels load while this step quantises and stores: under an SM
             # budget each program waits on its loads' latency, not on bandwidth

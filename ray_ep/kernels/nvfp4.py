@@ -4,7 +4,8 @@ fp32 per-tensor scale) and back, as Triton kernels.
 Legend: T rows, H channels, P = H / 2 packed bytes, B = H / 16 scale blocks.
 
 The format and its rounding are defined in :mod:`ray_ep.nvfp4` (whose torch functions are the
-twins of these kernels). Hopper has no fp4 type: codes are built and unpacked with integer ops;
+twins of these kernels). Hopper has no fp4 type: codes come from fp32 rounding sums and are
+packed and unpacked with integer ops;
 the block scales are rounded to e4m3 by :func:`ray_ep.kernels.quant.to_e4m3`.
 The device helpers :func:`quantize_nvfp4_blocks` (with :func:`block_offsets`), :func:`e2m1_to_f32`
 and :func:`e4m3_bits_to_f32` are shared with the dispatch send and the grouped GEMM.
@@ -74,9 +75,10 @@ def _pack_half(x, inv):
 @triton.jit
 def quantize_nvfp4_blocks(lo, hi, g):
     """Quantise nvfp4 blocks given as halves: lo, hi [A, B, 8] fp32 are channels 0-7 and 8-15
-    of A x B blocks (a tile of :func:`block_offsets`: [NB, ROWS]), with per-tensor scale g. A block's 16 channels are then one
-    thread's (a tile of whole blocks would spread them over two threads: a shuffle for each
-    amax, each scale worked out twice, and packed bytes moved between threads to be stored).
+    of A x B blocks (a tile of :func:`block_offsets`: [NB, ROWS]), with per-tensor scale g. A
+    block's 16 channels are then one thread's (a tile of whole blocks would spread them over
+    two threads: a shuffle for each amax, each scale worked out twice, and packed bytes moved
+    between threads to be stored).
 
     Returns (int64 [A, B]: each block's 8 packed bytes, little-endian; block scales as e4m3
     bits uint8 [A, B]). Example (g = 1): a block with amax 3.0 gets scale 0.5 (bits 0x30); 1.3
