@@ -186,6 +186,11 @@ def tile_shape(H: int, device: torch.device | str, multiple: int = 8) -> tuple[i
     return 1, max(multiple, min(1024, triton.next_power_of_2(H)))
 
 
+def small_batch(tokens: int | None, device: torch.device | str) -> bool:
+    """A launch of at most one token per SM (decode); False when the tokens are not known."""
+    return tokens is not None and tokens <= num_sms(device)
+
+
 def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str, multiple: int = 8,
               channels: int | None = None, tokens: int | None = None) -> tuple[int, int, int]:
     """(rows, channels, warps) of a dispatch or combine program (``channels``: the step under
@@ -213,7 +218,7 @@ def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str,
     if budget and not interpreted():
         rows = BUDGET_ROWS[kind]
         step = max(multiple, min(channels or BUDGET_CHANNELS[kind], triton.next_power_of_2(H)))
-    elif kind in SMALL_BATCH_CHANNELS and tokens is not None and tokens <= num_sms(device) and not interpreted():
+    elif kind in SMALL_BATCH_CHANNELS and small_batch(tokens, device) and not interpreted():
         step = max(multiple, min(SMALL_BATCH_CHANNELS[kind], triton.next_power_of_2(H)))
         return rows, step, max(COMM_WARPS, min(32, step // 256))
     return rows, step, COMM_WARPS * rows

@@ -37,17 +37,18 @@ from ..types import DispatchHandle, DispatchLayout, RecvLayout
 from ..validation import check_send_inputs
 from ._shmem import other_node, put_bytes, put_signal, quiet, staged
 from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signals, wait_signals
-from ._util import COMM_WARPS, comm_tile, interpreted, launch, num_sms, remote_meta, timeouts
+from ._util import COMM_WARPS, comm_tile, interpreted, launch, remote_meta, small_batch, timeouts
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 from .layout import (CHUNK_ROWS, assign_block, block_bases, block_tokens, chunk_start, compute_layout,
                      compute_layout_torch, count_chunks)
-from .nvfp4 import block_offsets, quantize_nvfp4_blocks, wire_row_bytes
+from .nvfp4 import load_blocks, quantize_nvfp4_blocks, wire_row_bytes
 from .quant import quantize_group
 
 _STATUS_OVERFLOW = tl.constexpr(STATUS_OVERFLOW)
 _FP8_GROUP = tl.constexpr(FP8_GROUP)
 _NVFP4_G = tl.constexpr(NVFP4_GLOBAL_SCALE)
+_NVFP4_BLOCK = tl.constexpr(NVFP4_BLOCK)
 # where the send's slots and ordinals come from (see _own_layout)
 LAYOUT_GIVEN = tl.constexpr(0)  # the caller's DispatchLayout
 LAYOUT_SCANNED = tl.constexpr(1)  # the send scans every earlier token (small batches)
@@ -186,27 +187,21 @@ def _send_nvfp4_rows(x_row3, toks, tm, slots_ptr, peer_bases_ptr, off_x, off_sx,
     rows). A wire row holds H / 2 packed bytes, then H / 16 block scales (see
     :func:`ray_ep.config.nvfp4_row_bytes`); a step's tile is [blocks, rows], a whole block per
     thread (:func:`ray_ep.kernels.nvfp4.quantize_nvfp4_blocks`)."""
-    NB: tl.constexpr = BLOCK_H // 16
+    NB: tl.constexpr = BLOCK_H // _NVFP4_BLOCK
     W = wire_row_bytes(H)
     tm3 = tm[None, :, None]
     if PREFETCH:  # as the fp8 send: the next step's channels load while this one quantises
-        c = block_offsets(0, NB)
-        lo_next = tl.load(x_row3 + c, mask=tm3 & (c < H), other=0.0)
-        hi_next = tl.load(x_row3 + c + 8, mask=tm3 & (c < H), other=0.0)
+        lo_next, hi_next = load_blocks(x_row3, 0, H, tm3, NB)
     for h0 in range(0, H, BLOCK_H):
         if PREFETCH:
             lo, hi = lo_next, hi_next
-            c = block_offsets(h0 + BLOCK_H, NB)
-            lo_next = tl.load(x_row3 + c, mask=tm3 & (c < H), other=0.0)
-            hi_next = tl.load(x_row3 + c + 8, mask=tm3 & (c < H), other=0.0)
+            lo_next, hi_next = load_blocks(x_row3, h0 + BLOCK_H, H, tm3, NB)
         else:
-            c = block_offsets(h0, NB)
-            lo = tl.load(x_row3 + c, mask=tm3 & (c < H), other=0.0)
-            hi = tl.load(x_row3 + c + 8, mask=tm3 & (c < H), other=0.0)
+            lo, hi = load_blocks(x_row3, h0, H, tm3, NB)
         packed, s = quantize_nvfp4_blocks(lo.to(tl.float32), hi.to(tl.float32), _NVFP4_G)
         # block b of the row: its 8 packed bytes at byte 8b (one int64), its scale at H / 2 + b
-        b = h0 // 16 + tl.arange(0, NB)[:, None]  # [NB, 1]
-        bm = b < H // 16
+        b = h0 // _NVFP4_BLOCK + tl.arange(0, NB)[:, None]  # [NB, 1]
+        bm = b < H // _NVFP4_BLOCK
         if REMOTE:
             base = (peer_ptr(peer_bases_ptr, rank, off_sx, tl.uint8) + toks.to(tl.int64) * W)[None, :]
             tl.store(base.to(tl.pointer_type(tl.int64)) + b, packed, mask=tm[None, :] & bm)
@@ -524,7 +519,7 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
     rows, step, warps = comm_tile(cfg.hidden_size, device, budget, "dispatch", multiple=multiple, tokens=tokens)
     if cfg.dispatch_dtype == "nvfp4" and not interpreted():
         per_warp = 32 * NVFP4_BLOCK  # channels of a warp whose threads take a block each
-        if not budget and (tokens is None or tokens > num_sms(device)):
+        if not budget and not small_batch(tokens, device):
             step = max(step, min(COMM_WARPS * per_warp, triton.next_power_of_2(cfg.hidden_size)))
         warps = max(1, min(warps, rows * step // per_warp))
     return rows, step, warps

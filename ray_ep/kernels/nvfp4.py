@@ -7,7 +7,7 @@ The format and its rounding are defined in :mod:`ray_ep.nvfp4` (whose torch func
 twins of these kernels). Hopper has no fp4 type: codes come from fp32 rounding sums and are
 packed and unpacked with integer ops;
 the block scales are rounded to e4m3 by :func:`ray_ep.kernels.quant.to_e4m3`.
-The device helpers :func:`quantize_nvfp4_blocks` (with :func:`block_offsets`), :func:`e2m1_to_f32`
+The device helpers :func:`quantize_nvfp4_blocks` (with :func:`load_blocks`), :func:`e2m1_to_f32`
 and :func:`e4m3_bits_to_f32` are shared with the dispatch send and the grouped GEMM.
 """
 
@@ -75,7 +75,7 @@ def _pack_half(x, inv):
 @triton.jit
 def quantize_nvfp4_blocks(lo, hi, g):
     """Quantise nvfp4 blocks given as halves: lo, hi [A, B, 8] fp32 are channels 0-7 and 8-15
-    of A x B blocks (a tile of :func:`block_offsets`: [NB, ROWS]), with per-tensor scale g. A
+    of A x B blocks (the tiles of :func:`load_blocks`: [NB, ROWS]), with per-tensor scale g. A
     block's 16 channels are then one thread's (a tile of whole blocks would spread them over
     two threads: a shuffle for each amax, each scale worked out twice, and packed bytes moved
     between threads to be stored).
@@ -102,6 +102,16 @@ def block_offsets(h0, NB: tl.constexpr):
     takes neighbouring blocks of a row (its loads and stores coalesce) and the block scales
     [NB, ROWS] keep the same threads (no exchange through shared memory to store them)."""
     return h0 + 16 * tl.arange(0, NB)[:, None, None] + tl.arange(0, 8)[None, None, :]
+
+
+@triton.jit
+def load_blocks(x_row3, h0, H, rm3, NB: tl.constexpr):
+    """The two halves (channels 0-7 and 8-15) of NB blocks from channel h0 of the rows x_row3
+    [1, ROWS, 1] (pointers to their first channels) as [NB, ROWS, 8] tiles, zeros past H and
+    where rm3 [1, ROWS, 1] is False."""
+    c = block_offsets(h0, NB)
+    m = rm3 & (c < H)
+    return tl.load(x_row3 + c, mask=m, other=0.0), tl.load(x_row3 + c + 8, mask=m, other=0.0)
 
 
 @triton.jit
@@ -152,10 +162,7 @@ def _quantize_nvfp4_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_x, global_scale,
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     r = rows[None, :].to(tl.int64)  # [1, BLOCK_T]
     for h0 in range(0, H, BLOCK_H):
-        c = block_offsets(h0, NB)
-        m = (r[:, :, None] < T) & (c < H)
-        lo = tl.load(x_ptr + r[:, :, None] * stride_x + c, mask=m, other=0.0)
-        hi = tl.load(x_ptr + r[:, :, None] * stride_x + c + 8, mask=m, other=0.0)
+        lo, hi = load_blocks(x_ptr + r[:, :, None] * stride_x, h0, H, r[:, :, None] < T, NB)
         packed, s = quantize_nvfp4_blocks(lo.to(tl.float32), hi.to(tl.float32), global_scale)
         b = h0 // _BLOCK + tl.arange(0, NB)[:, None]  # [NB, 1]
         m = (r < T) & (b < H // _BLOCK)
