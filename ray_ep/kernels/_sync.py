@@ -38,9 +38,26 @@ def now_ns(USE_TIMER: tl.constexpr):
 @triton.jit
 def peer_ptr(peer_bases_ptr, rank, offset_bytes, DTYPE: tl.constexpr):
     """Typed pointer to byte ``offset_bytes`` of rank ``rank``'s symmetric block."""
-    base = tl.load(peer_bases_ptr + rank)
+    return at_offset(tl.load(peer_bases_ptr + rank), offset_bytes, DTYPE)
+
+
+@triton.jit
+def at_offset(base, offset_bytes, DTYPE: tl.constexpr):
+    """Typed pointer to byte ``offset_bytes`` of the symmetric block at address ``base``."""
     # blocks and sub-buffers are 128 B aligned: tell the compiler so stores vectorise
     return tl.multiple_of((base + offset_bytes).to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
+def peer_bases(peer_bases_ptr, R, R_PAD: tl.constexpr):
+    """Every rank's block address, a tuple of R_PAD (0 past R), for :func:`at_offset`. Load
+    them before a loop that stores: inside it, every store could have overwritten the table
+    for all the compiler knows, so it reloads the address before each store (a dependent
+    load per destination and step)."""
+    bases = ()
+    for d in tl.static_range(R_PAD):
+        bases = bases + (tl.load(peer_bases_ptr + d, mask=d < R, other=0),)
+    return bases
 
 
 @triton.jit

@@ -36,14 +36,15 @@ from ..nvfp4 import quantize_nvfp4_torch, wire_views
 from ..types import DispatchHandle, DispatchLayout, RecvLayout
 from ..validation import check_send_inputs
 from ._shmem import other_node, put_bytes, put_signal, quiet, staged
-from ._sync import last_program_done, live_blocks, locate_block, peer_ptr, release_signals, wait_signals
+from ._sync import (at_offset, last_program_done, live_blocks, locate_block, peer_bases, peer_ptr, release_signals,
+                    wait_signals)
 from ._util import COMM_WARPS, comm_tile, interpreted, launch, remote_meta, small_batch, timeouts
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 from .layout import (CHUNK_ROWS, assign_block, block_bases, block_tokens, chunk_start, compute_layout,
                      compute_layout_torch, count_chunks)
 from .nvfp4 import load_blocks, quantize_nvfp4_blocks, wire_row_bytes
-from .quant import quantize_group
+from .quant import quantize_group, store_scales
 
 _STATUS_OVERFLOW = tl.constexpr(STATUS_OVERFLOW)
 _FP8_GROUP = tl.constexpr(FP8_GROUP)
@@ -179,6 +180,21 @@ def _dest_rows(slots_ptr, toks, tm, d, N, rank, R, ranks_per_node, BRANCHLESS: t
 
 
 @triton.jit
+def _dest_table(slots_ptr, toks, tm, N, rank, R, ranks_per_node, R_PAD: tl.constexpr, BRANCHLESS: tl.constexpr):
+    """:func:`_dest_rows` of every destination, as three tuples (rows, oks, anys) indexed by
+    destination: worked out once per block, before the channel loop, not on every step."""
+    rows = ()
+    oks = ()
+    anys = ()
+    for d in tl.static_range(R_PAD):
+        row, ok, any_row = _dest_rows(slots_ptr, toks, tm, d, N, rank, R, ranks_per_node, BRANCHLESS)
+        rows = rows + (row,)
+        oks = oks + (ok,)
+        anys = anys + (any_row,)
+    return rows, oks, anys
+
+
+@triton.jit
 def _send_nvfp4_rows(x_row3, toks, tm, slots_ptr, peer_bases_ptr, off_x, off_sx, H, N, rank, R, ranks_per_node,
                      R_PAD: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, BRANCHLESS: tl.constexpr,
                      PREFETCH: tl.constexpr):
@@ -190,6 +206,9 @@ def _send_nvfp4_rows(x_row3, toks, tm, slots_ptr, peer_bases_ptr, off_x, off_sx,
     NB: tl.constexpr = BLOCK_H // _NVFP4_BLOCK
     W = wire_row_bytes(H)
     tm3 = tm[None, :, None]
+    rows, oks, anys = _dest_table(slots_ptr, toks, tm, N, rank, R, ranks_per_node, R_PAD, BRANCHLESS)
+    bases = peer_bases(peer_bases_ptr, R, R_PAD)
+    mine = tl.load(peer_bases_ptr + rank)
     if PREFETCH:  # as the fp8 send: the next step's channels load while this one quantises
         lo_next, hi_next = load_blocks(x_row3, 0, H, tm3, NB)
     for h0 in range(0, H, BLOCK_H):
@@ -203,15 +222,14 @@ def _send_nvfp4_rows(x_row3, toks, tm, slots_ptr, peer_bases_ptr, off_x, off_sx,
         b = h0 // _NVFP4_BLOCK + tl.arange(0, NB)[:, None]  # [NB, 1]
         bm = b < H // _NVFP4_BLOCK
         if REMOTE:
-            base = (peer_ptr(peer_bases_ptr, rank, off_sx, tl.uint8) + toks.to(tl.int64) * W)[None, :]
+            base = (at_offset(mine, off_sx, tl.uint8) + toks.to(tl.int64) * W)[None, :]
             tl.store(base.to(tl.pointer_type(tl.int64)) + b, packed, mask=tm[None, :] & bm)
             tl.store(base + H // 2 + b, s, mask=tm[None, :] & bm)
         for d in tl.static_range(R_PAD):
-            row, ok, any_row = _dest_rows(slots_ptr, toks, tm, d, N, rank, R, ranks_per_node, BRANCHLESS)
-            if any_row:
-                base = (peer_ptr(peer_bases_ptr, d, off_x, tl.uint8) + row * W)[None, :]
-                tl.store(base.to(tl.pointer_type(tl.int64)) + b, packed, mask=ok[None, :] & bm)
-                tl.store(base + H // 2 + b, s, mask=ok[None, :] & bm)
+            if anys[d]:
+                base = (at_offset(bases[d], off_x, tl.uint8) + rows[d] * W)[None, :]
+                tl.store(base.to(tl.pointer_type(tl.int64)) + b, packed, mask=oks[d][None, :] & bm)
+                tl.store(base + H // 2 + b, s, mask=oks[d][None, :] & bm)
 
 
 @triton.jit
@@ -225,6 +243,7 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
     kk = tl.arange(0, K_PAD)
     km = kk < K
     SG: tl.constexpr = BLOCK_H // _FP8_GROUP if FP8 else 1
+    ALONE: tl.constexpr = BT > 1  # several rows per program on a GPU: an SM budget's one program per SM
     tm = toks < T
     mk = tm[:, None] & km[None, :]
     ids = tl.load(ids_ptr + toks[:, None] * stride_ids + kk[None, :], mask=mk, other=-1)
@@ -249,6 +268,9 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
                          off_x, off_sx, H, N, rank, R, ranks_per_node, R_PAD, BLOCK_H, REMOTE, BRANCHLESS, PREFETCH)
     else:
         x_row = x_ptr + toks[:, None].to(tl.int64) * stride_x
+        rows, oks, anys = _dest_table(slots_ptr, toks, tm, N, rank, R, ranks_per_node, R_PAD, BRANCHLESS)
+        bases = peer_bases(peer_bases_ptr, R, R_PAD)
+        mine = tl.load(peer_bases_ptr + rank)
         if PREFETCH:
             # the next step's channels load while this step quantises and stores: under an SM
             # budget each program waits on its loads' latency, not on bandwidth
@@ -269,25 +291,26 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
                 gm = g[None, :] < H // _FP8_GROUP
             if REMOTE:
                 if FP8:
-                    px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.float8e4nv)
+                    px = at_offset(mine, off_sx, tl.float8e4nv)
                     tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], q, mask=tm[:, None] & cm[None, :])
-                    ps = peer_ptr(peer_bases_ptr, rank, off_ss, tl.float32)
-                    tl.store(ps + toks[:, None].to(tl.int64) * (H // _FP8_GROUP) + g[None, :], s,
-                             mask=tm[:, None] & gm)
+                    ps = at_offset(mine, off_ss, tl.float32)
+                    store_scales(ps + toks[:, None].to(tl.int64) * (H // _FP8_GROUP) + g[None, :], s, tm[:, None] & gm,
+                                 ALONE)
                 else:
-                    px = peer_ptr(peer_bases_ptr, rank, off_sx, tl.bfloat16)
+                    px = at_offset(mine, off_sx, tl.bfloat16)
                     tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], x, mask=tm[:, None] & cm[None, :])
             for d in tl.static_range(R_PAD):
-                row, ok, any_row = _dest_rows(slots_ptr, toks, tm, d, N, rank, R, ranks_per_node, BRANCHLESS)
-                if any_row:
+                to = rows[d][:, None]
+                to_ok = oks[d][:, None]
+                if anys[d]:
                     if FP8:
-                        px = peer_ptr(peer_bases_ptr, d, off_x, tl.float8e4nv)
-                        tl.store(px + row[:, None] * H + cols[None, :], q, mask=ok[:, None] & cm[None, :])
-                        ps = peer_ptr(peer_bases_ptr, d, off_scales, tl.float32)
-                        tl.store(ps + row[:, None] * (H // _FP8_GROUP) + g[None, :], s, mask=ok[:, None] & gm)
+                        px = at_offset(bases[d], off_x, tl.float8e4nv)
+                        tl.store(px + to * H + cols[None, :], q, mask=to_ok & cm[None, :])
+                        ps = at_offset(bases[d], off_scales, tl.float32)
+                        store_scales(ps + to * (H // _FP8_GROUP) + g[None, :], s, to_ok & gm, ALONE)
                     else:
-                        px = peer_ptr(peer_bases_ptr, d, off_x, tl.bfloat16)
-                        tl.store(px + row[:, None] * H + cols[None, :], x, mask=ok[:, None] & cm[None, :])
+                        px = at_offset(bases[d], off_x, tl.bfloat16)
+                        tl.store(px + to * H + cols[None, :], x, mask=to_ok & cm[None, :])
     if REMOTE:
         _put_staged_rows(slots_ptr, peer_bases_ptr, off_x, off_scales, off_meta, off_sx, off_ss, off_sm,
                          t0, T, H, N, rank, R, ranks_per_node, K, FP8, BT, EMULATE, NVFP4)
