@@ -167,48 +167,39 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
 
 
 @triton.jit
-def _dest_rows(slots_ptr, toks, tm, d, N, rank, R, ranks_per_node, BRANCHLESS: tl.constexpr):
-    """(rows at destination d [BT] int64, which tokens go to d, whether to store at all) of a
-    block of tokens: d's rows are on this node (stores; others are put from the staged rows).
-    BRANCHLESS: masked stores instead of a block-wide "any row for d?" test on each step (one
-    row per program: the test is cheap and skips the row's dead destinations)."""
-    near = (d // ranks_per_node) == (rank // ranks_per_node)
-    slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & near, other=-1)
-    ok = slot >= 0
-    any_row = True if BRANCHLESS else tl.max(ok.to(tl.int32), axis=0) > 0
-    return (rank * N + slot).to(tl.int64), ok, any_row
-
-
-@triton.jit
 def _dest_table(slots_ptr, toks, tm, N, rank, R, ranks_per_node, R_PAD: tl.constexpr, BRANCHLESS: tl.constexpr):
-    """:func:`_dest_rows` of every destination, as three tuples (rows, oks, anys) indexed by
-    destination: worked out once per block, before the channel loop, not on every step."""
+    """Where a block of tokens goes, per destination d, as three tuples indexed by d: its rows
+    at d ([BT] int64), which tokens go to d, and whether to store to d at all. Only d's on this
+    node (stores; the others are put from the staged rows). Worked out once per block, for its
+    meta rows and every step of its channels.
+
+    BRANCHLESS: masked stores instead of a block-wide "any row for d?" test (one row per
+    program: the test is cheap and skips the row's dead destinations)."""
     rows = ()
     oks = ()
     anys = ()
     for d in tl.static_range(R_PAD):
-        row, ok, any_row = _dest_rows(slots_ptr, toks, tm, d, N, rank, R, ranks_per_node, BRANCHLESS)
-        rows = rows + (row,)
+        near = (d // ranks_per_node) == (rank // ranks_per_node)
+        slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & near, other=-1)
+        ok = slot >= 0
+        rows = rows + ((rank * N + slot).to(tl.int64),)
         oks = oks + (ok,)
-        anys = anys + (any_row,)
+        anys = anys + (True if BRANCHLESS else tl.max(ok.to(tl.int32), axis=0) > 0,)
     return rows, oks, anys
 
 
 @triton.jit
-def _send_nvfp4_rows(x_row3, toks, tm, slots_ptr, peer_bases_ptr, off_x, off_sx, H, N, rank, R, ranks_per_node,
-                     R_PAD: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, BRANCHLESS: tl.constexpr,
-                     PREFETCH: tl.constexpr):
+def _send_nvfp4_rows(x_row3, toks, tm, rows, oks, anys, bases, mine, off_x, off_sx, H, R_PAD: tl.constexpr,
+                     BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, PREFETCH: tl.constexpr):
     """Quantise rows (x_row3 [1, BT, 1]: their first channels) to nvfp4 wire rows in steps of
     BLOCK_H channels and store them at every destination (REMOTE: and in this rank's staged
     rows). A wire row holds H / 2 packed bytes, then H / 16 block scales (see
     :func:`ray_ep.config.nvfp4_row_bytes`); a step's tile is [blocks, rows], a whole block per
-    thread (:func:`ray_ep.kernels.nvfp4.quantize_nvfp4_blocks`)."""
+    thread (:func:`ray_ep.kernels.nvfp4.quantize_nvfp4_blocks`). rows, oks, anys: the block's
+    :func:`_dest_table`; bases, mine: every rank's block address and this rank's."""
     NB: tl.constexpr = BLOCK_H // _NVFP4_BLOCK
     W = wire_row_bytes(H)
     tm3 = tm[None, :, None]
-    rows, oks, anys = _dest_table(slots_ptr, toks, tm, N, rank, R, ranks_per_node, R_PAD, BRANCHLESS)
-    bases = peer_bases(peer_bases_ptr, R, R_PAD)
-    mine = tl.load(peer_bases_ptr + rank)
     if PREFETCH:  # as the fp8 send: the next step's channels load while this one quantises
         lo_next, hi_next = load_blocks(x_row3, 0, H, tm3, NB)
     for h0 in range(0, H, BLOCK_H):
@@ -250,27 +241,26 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
     ords = tl.load(ordinals_ptr + toks[:, None] * K + kk[None, :], mask=mk, other=-1)
     wts = tl.load(w_ptr + toks[:, None] * stride_w + kk[None, :], mask=mk, other=0.0)
     wbits = wts.to(tl.float32).to(tl.int32, bitcast=True)
+    rows, oks, anys = _dest_table(slots_ptr, toks, tm, N, rank, R, ranks_per_node, R_PAD, BRANCHLESS)
+    bases = peer_bases(peer_bases_ptr, R, R_PAD)
+    mine = tl.load(peer_bases_ptr + rank)
     if REMOTE:
-        meta = peer_ptr(peer_bases_ptr, rank, off_sm, tl.int32) + toks[:, None].to(tl.int64) * (3 * K) + kk[None, :]
+        meta = at_offset(mine, off_sm, tl.int32) + toks[:, None].to(tl.int64) * (3 * K) + kk[None, :]
         tl.store(meta, ids, mask=mk)
         tl.store(meta + K, ords, mask=mk)
         tl.store(meta + 2 * K, wbits, mask=mk)
     for d in tl.static_range(R_PAD):
-        row, ok, any_row = _dest_rows(slots_ptr, toks, tm, d, N, rank, R, ranks_per_node, False)
-        if any_row:
-            meta = peer_ptr(peer_bases_ptr, d, off_meta, tl.int32) + row[:, None] * (3 * K) + kk[None, :]
-            mm = ok[:, None] & km[None, :]
+        if anys[d]:
+            meta = at_offset(bases[d], off_meta, tl.int32) + rows[d][:, None] * (3 * K) + kk[None, :]
+            mm = oks[d][:, None] & km[None, :]
             tl.store(meta, ids, mask=mm)
             tl.store(meta + K, ords, mask=mm)
             tl.store(meta + 2 * K, wbits, mask=mm)
     if NVFP4:
-        _send_nvfp4_rows(x_ptr + toks[None, :, None].to(tl.int64) * stride_x, toks, tm, slots_ptr, peer_bases_ptr,
-                         off_x, off_sx, H, N, rank, R, ranks_per_node, R_PAD, BLOCK_H, REMOTE, BRANCHLESS, PREFETCH)
+        _send_nvfp4_rows(x_ptr + toks[None, :, None].to(tl.int64) * stride_x, toks, tm, rows, oks, anys, bases, mine,
+                         off_x, off_sx, H, R_PAD, BLOCK_H, REMOTE, PREFETCH)
     else:
         x_row = x_ptr + toks[:, None].to(tl.int64) * stride_x
-        rows, oks, anys = _dest_table(slots_ptr, toks, tm, N, rank, R, ranks_per_node, R_PAD, BRANCHLESS)
-        bases = peer_bases(peer_bases_ptr, R, R_PAD)
-        mine = tl.load(peer_bases_ptr + rank)
         if PREFETCH:
             # the next step's channels load while this step quantises and stores: under an SM
             # budget each program waits on its loads' latency, not on bandwidth
