@@ -36,8 +36,7 @@ from ..nvfp4 import quantize_nvfp4_torch, wire_views
 from ..types import DispatchHandle, DispatchLayout, RecvLayout
 from ..validation import check_send_inputs
 from ._shmem import other_node, put_bytes, put_signal, quiet, staged
-from ._sync import (at_offset, last_program_done, live_blocks, locate_block, peer_bases, peer_ptr, release_signals,
-                    wait_signals)
+from ._sync import at_offset, last_program_done, live_blocks, locate_block, peer_bases, release_signals, wait_signals
 from ._util import COMM_WARPS, comm_tile, interpreted, launch, remote_meta, small_batch, timeouts
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
