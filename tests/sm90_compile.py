@@ -189,6 +189,29 @@ def _narrow_stores(ptx: str) -> int:
     return len(re.findall(r"st\.global(?:\.\w+)*?\.b(?:8|16)\b", ptx))
 
 
+def _row_loop_barriers(ptx: str) -> int:
+    """Barriers (``bar.sync``) inside the innermost loops of ``ptx`` that store vectors (8 or
+    16 bytes a thread: rows of bf16, fp8 or packed nvfp4). Under an SM budget a program is
+    alone on its SM, and a barrier in its channel loop makes all of its warps wait for the
+    slowest at every step (fp8's scales once did, through shared memory: 16-18% of the send)."""
+    import re
+
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\$L__\w+):", line))}
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
+        if m and labels.get(m.group(1), i + 1) <= i:  # a branch back: the loop [label, branch]
+            loops.append((labels[m.group(1)], i))
+    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    barriers = 0
+    for a, b in innermost:
+        body = lines[a:b + 1]
+        if any(re.search(r"st\.global(?:\.\w+)*?\.(?:v[24]|b64)\b", line) for line in body):
+            barriers += sum(1 for line in body if re.search(r"\bbar(?:rier)?\.sync\b", line))
+    return barriers
+
+
 def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None = None, specialize: bool = False):
     """A cubin of ``kernel`` for sm_90. ``specialize``: as Triton's JIT does at a launch, an
     integer argument equal to 1 becomes a constant and pointers and integers divisible by 16
@@ -277,7 +300,8 @@ def main() -> int:
             print(f"OK   {kernel.fn.__name__:<28} {len(ck.asm['cubin']):>8} B cubin, "
                   f"nvshmem={'nvshmem' in ck.asm['ptx']}, wgmma={_wgmma(ck.asm['ptx'])}, "
                   f"narrow_stores={_narrow_stores(ck.asm['ptx'])}, tma={'cp.async.bulk.tensor' in ck.asm['ptx']}, "
-                  f"shared={ck.metadata.shared}")
+                  f"shared={ck.metadata.shared}, warps={options.get('num_warps', 4)}, "
+                  f"row_loop_barriers={_row_loop_barriers(ck.asm['ptx'])}")
         except Exception:  # noqa: BLE001 - report every kernel
             failed += 1
             print(f"FAIL {kernel.fn.__name__}\n{traceback.format_exc()}")
