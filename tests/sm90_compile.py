@@ -300,8 +300,8 @@ def main() -> int:
             print(f"OK   {kernel.fn.__name__:<28} {len(ck.asm['cubin']):>8} B cubin, "
                   f"nvshmem={'nvshmem' in ck.asm['ptx']}, wgmma={_wgmma(ck.asm['ptx'])}, "
                   f"narrow_stores={_narrow_stores(ck.asm['ptx'])}, tma={'cp.async.bulk.tensor' in ck.asm['ptx']}, "
-                  f"shared={ck.metadata.shared}, warps={options.get('num_warps', 4)}, "
-                  f"row_loop_barriers={_row_loop_barriers(ck.asm['ptx'])}")
+                  f"warps={options.get('num_warps', 4)}, row_loop_barriers={_row_loop_barriers(ck.asm['ptx'])}, "
+                  f"shared={ck.metadata.shared}")
         except Exception:  # noqa: BLE001 - report every kernel
             failed += 1
             print(f"FAIL {kernel.fn.__name__}\n{traceback.format_exc()}")
