@@ -9,11 +9,16 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 
 def interpreted() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# for device code that takes another path in Triton's CPU interpreter (which has no inline PTX)
+INTERPRETED = tl.constexpr(interpreted())
 
 
 @functools.lru_cache(maxsize=None)

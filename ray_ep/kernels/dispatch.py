@@ -42,7 +42,7 @@ from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPAT
                       SymmetricBuffers, Workspace, check_status)
 from .layout import (CHUNK_ROWS, assign_block, block_bases, block_tokens, chunk_start, compute_layout,
                      compute_layout_torch, count_chunks)
-from .nvfp4 import load_blocks, quantize_nvfp4_blocks, wire_row_bytes
+from .nvfp4 import block_warps, load_blocks, quantize_nvfp4_blocks, wire_row_bytes
 from .quant import quantize_group, store_scales
 
 _STATUS_OVERFLOW = tl.constexpr(STATUS_OVERFLOW)
@@ -530,10 +530,9 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
     multiple = {"fp8": FP8_GROUP, "nvfp4": 32}.get(cfg.dispatch_dtype, 8)
     rows, step, warps = comm_tile(cfg.hidden_size, device, budget, "dispatch", multiple=multiple, tokens=tokens)
     if cfg.dispatch_dtype == "nvfp4" and not interpreted():
-        per_warp = 32 * NVFP4_BLOCK  # channels of a warp whose threads take a block each
-        if not budget and not small_batch(tokens, device):
-            step = max(step, min(COMM_WARPS * per_warp, triton.next_power_of_2(cfg.hidden_size)))
-        warps = max(1, min(warps, rows * step // per_warp))
+        if not budget and not small_batch(tokens, device):  # a block for every thread of COMM_WARPS warps
+            step = max(step, min(COMM_WARPS * 32 * NVFP4_BLOCK, triton.next_power_of_2(cfg.hidden_size)))
+        warps = block_warps(rows, step, warps)
     return rows, step, warps
 
 

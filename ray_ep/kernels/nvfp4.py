@@ -19,13 +19,12 @@ import triton.language as tl
 
 from ..config import E2M1_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_SCALE
 from ..nvfp4 import check_dequantize_inputs, check_quantize_inputs
-from ._util import interpreted, tile_shape
+from ._util import INTERPRETED, tile_shape
 from .quant import to_e4m3
 
 _BLOCK = tl.constexpr(NVFP4_BLOCK)
 _E2M1_MAX = tl.constexpr(E2M1_MAX)
 _FP8_MAX = tl.constexpr(FP8_MAX)
-_INTERPRETED = tl.constexpr(interpreted())
 
 
 # 1.5 * 2^23: fp32 sums in [2^23, 2^24) step by 1, so adding it rounds to an integer (nearest even)
@@ -53,7 +52,7 @@ def _mul_rn(a, b):
     """fp32 a * b rounded before it is added to anything: a GPU would fuse the product into
     the add that follows (one rounding instead of two), and the codes must be those of the
     rounded magnitude, as in the torch twin and the interpreter."""
-    if _INTERPRETED:
+    if INTERPRETED:
         return a * b
     return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
                                      pack=1)
@@ -95,23 +94,22 @@ def quantize_nvfp4_blocks(lo, hi, g):
 
 
 @triton.jit
-def block_offsets(h0, NB: tl.constexpr):
-    """Channel offsets [NB, 1, 8] of the low halves of the NB blocks from channel h0 (the high
-    halves are 8 further). Tiles of blocks are [NB, ROWS, 8], blocks first: Triton lays out a
-    tile's threads along its contiguous axis, then along the first of the others, so a warp
-    takes neighbouring blocks of a row (its loads and stores coalesce) and the block scales
-    [NB, ROWS] keep the same threads (no exchange through shared memory to store them)."""
-    return h0 + 16 * tl.arange(0, NB)[:, None, None] + tl.arange(0, 8)[None, None, :]
-
-
-@triton.jit
 def load_blocks(x_row3, h0, H, rm3, NB: tl.constexpr):
     """The two halves (channels 0-7 and 8-15) of NB blocks from channel h0 of the rows x_row3
     [1, ROWS, 1] (pointers to their first channels) as [NB, ROWS, 8] tiles, zeros past H and
-    where rm3 [1, ROWS, 1] is False."""
-    c = block_offsets(h0, NB)
+    where rm3 [1, ROWS, 1] is False. Blocks first: Triton lays out a tile's threads along its
+    contiguous axis, then along the first of the others, so a warp takes neighbouring blocks
+    of a row (its loads and stores coalesce) and the block scales [NB, ROWS] keep the same
+    threads (no exchange through shared memory to store them)."""
+    c = h0 + 16 * tl.arange(0, NB)[:, None, None] + tl.arange(0, 8)[None, None, :]
     m = rm3 & (c < H)
     return tl.load(x_row3 + c, mask=m, other=0.0), tl.load(x_row3 + c + 8, mask=m, other=0.0)
+
+
+def block_warps(rows: int, channels: int, most: int) -> int:
+    """Warps (at most ``most``) for a [rows, channels] tile quantised a whole block per thread
+    (:func:`quantize_nvfp4_blocks`): no more threads than blocks, or some repeat others' work."""
+    return max(1, min(most, rows * channels // (32 * NVFP4_BLOCK)))
 
 
 @triton.jit
@@ -202,8 +200,7 @@ def quantize_nvfp4(*, x_TH: torch.Tensor, global_scale: float = NVFP4_GLOBAL_SCA
     s = torch.empty(T, H // NVFP4_BLOCK, dtype=torch.uint8, device=x_TH.device)
     if T:
         bt, bh = tile_shape(H, x_TH.device, multiple=2 * NVFP4_BLOCK)
-        # a whole block per thread: no more threads than blocks in the tile
-        warps = max(1, min(4, bt * bh // (NVFP4_BLOCK * 32)))
+        warps = block_warps(bt, bh, 4)
         _quantize_nvfp4_kernel[(triton.cdiv(T, bt),)](x_ptr=x_TH, q_ptr=q.view(torch.int64), s_ptr=s, T=T, H=H,
                                                        stride_x=x_TH.stride(0), global_scale=float(global_scale),
                                                        BLOCK_T=bt, BLOCK_H=bh, num_warps=warps)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..config import FP8_GROUP, FP8_MAX
 from ..fp8 import check_dequantize_inputs, check_quantize_inputs
-from ._util import interpreted, tile_shape
+from ._util import INTERPRETED, tile_shape
 
 _GROUP = tl.constexpr(FP8_GROUP)
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -23,7 +23,6 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 # a GPU converts with one cvt.rn.satfinite per two values (nearest even, saturating at 448),
 # which gives the same bits without the ~13 integer and float ops per value (the fp8 send
 # under an SM budget is bound by its instructions)
-_ROUND_IN_SOFTWARE = tl.constexpr(interpreted())
 # below 2^-6 e4m3 is subnormal, with a fixed step of 2^-9
 _E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 
@@ -53,7 +52,7 @@ def round_to_e4m3(v):
 @triton.jit
 def to_e4m3(v):
     """fp32 values with |v| <= 448 (up to fp32 rounding) to float8e4nv, nearest even."""
-    if _ROUND_IN_SOFTWARE:
+    if INTERPRETED:
         v = round_to_e4m3(tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX))
     return v.to(tl.float8e4nv)
 
@@ -86,7 +85,7 @@ def store_scales(ptrs, scales, mask, AS_REDUCED: tl.constexpr):
     would wait for one another at every step; 2x H200, prefill fp8 dispatch at 24 / 16 SMs:
     229.9 / 322.5 -> 192.2 / 265.9 us. With every SM (many programs per SM hide the barriers)
     it cost more than it saved: 120.3 -> 127.3 us. The interpreter stores them normally."""
-    if _ROUND_IN_SOFTWARE or not AS_REDUCED:
+    if INTERPRETED or not AS_REDUCED:
         tl.store(ptrs, scales, mask=mask)
     else:
         tl.inline_asm_elementwise(
