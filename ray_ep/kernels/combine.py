@@ -29,7 +29,7 @@ from ..errors import EPInputError
 from ..types import DispatchHandle
 from ..validation import check_tensor
 from ._shmem import other_node, put_bytes, quiet, signal, staged
-from ._sync import last_program_done, peer_ptr, release_signals, wait_blocks, wait_signals
+from ._sync import at_offset, last_program_done, peer_bases, peer_ptr, release_signals, wait_blocks, wait_signals
 from ._util import comm_tile, interpreted, launch, num_sms as sm_count, remote_meta, side_stream, timeouts
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
@@ -38,8 +38,8 @@ from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE,
 # ---- device code ---------------------------------------------------------------------------
 @triton.jit
 def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
-                  off_ready, epoch, rank, R, L, N, H, ranks_per_node, K: tl.constexpr, K_PAD: tl.constexpr,
-                  R_PAD: tl.constexpr, BJ: tl.constexpr,
+                  off_ready, epoch, rank, R, L, N, H, ranks_per_node, K: tl.constexpr, R_PAD: tl.constexpr,
+                  BJ: tl.constexpr,
                   BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr,
                   EMULATE: tl.constexpr, PULL: tl.constexpr, PB: tl.constexpr):
     """Weighted partial sum of each received row's local experts, stored back at its source
@@ -60,7 +60,7 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
         if first < n_src:  # sources with fewer blocks leave gaps
             src = (pos_b + rank + 1) % R
             _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, off_x, off_sx, src, first,
-                           n_src, rank, L, N, H, ranks_per_node, K, K_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE,
+                           n_src, rank, L, N, H, ranks_per_node, K, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE,
                            PULL)
             if PULL:  # every thread's rows are stored: tell the source this block is ready
                 tl.debug_barrier()
@@ -72,22 +72,29 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
 
 @triton.jit
 def _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, off_x, off_sx, src, first, n_src,
-                   rank, L, N, H, ranks_per_node, K: tl.constexpr, K_PAD: tl.constexpr, BJ: tl.constexpr,
+                   rank, L, N, H, ranks_per_node, K: tl.constexpr, BJ: tl.constexpr,
                    BLOCK_H: tl.constexpr,
                    OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
                    PULL: tl.constexpr):
     """Rows first .. first + BJ - 1 (below n_src) of those received from ``src``."""
-    kk = tl.arange(0, K_PAD)
     i = first + tl.arange(0, BJ)
     live = i < n_src
     j = (src * N + i).to(tl.int64)
-    mk = live[:, None] & (kk[None, :] < K)
-    meta = meta_ptr + j[:, None] * (3 * K) + kk[None, :]
-    ids = tl.load(meta, mask=mk, other=-1)
-    e = ids - rank * L
-    here = mk & (ids >= 0) & (e >= 0) & (e < L)
-    pos = tl.load(src_offsets_ptr + src * L + e, mask=here, other=0) + tl.load(meta + K, mask=here, other=0)
-    w = tl.load(meta + 2 * K, mask=here, other=0).to(tl.float32, bitcast=True)
+    meta = meta_ptr + j * (3 * K)
+    # each slot's expert row and weight as a [BJ] vector, once per block, not reduced out of a
+    # [BJ, K] tile: those reductions went through shared memory, 16 barriers of all the
+    # program's warps per block (sm_90, 8 rows, 32 warps: an SM budget)
+    rows_k = ()
+    has_k = ()
+    w_k = ()
+    for k in tl.static_range(K):
+        ids = tl.load(meta + k, mask=live, other=-1)
+        e = ids - rank * L
+        here = live & (ids >= 0) & (e >= 0) & (e < L)
+        pos = tl.load(src_offsets_ptr + src * L + e, mask=here, other=0) + tl.load(meta + K + k, mask=here, other=0)
+        rows_k = rows_k + (y_ptr + pos.to(tl.int64) * stride_y,)
+        has_k = has_k + (here,)
+        w_k = w_k + (tl.load(meta + 2 * K + k, mask=here, other=0).to(tl.float32, bitcast=True),)
     if PULL:  # this rank's own row src * N + i: the source loads it
         dst = peer_ptr(peer_bases_ptr, rank, off_x, OUT_DTYPE) + j[:, None] * H
     elif other_node(rank, src, ranks_per_node):  # the staging row that mirrors the destination row
@@ -100,13 +107,8 @@ def _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, o
         acc = tl.zeros((BJ, BLOCK_H), dtype=tl.float32)
         # unrolled over the K slots: the loads of all local experts are in flight at once
         for k in tl.static_range(K):
-            sel = here & (kk[None, :] == k)
-            has = tl.max(sel.to(tl.int32), axis=1) > 0
-            pos_k = tl.sum(tl.where(sel, pos, 0), axis=1)
-            w_k = tl.sum(tl.where(sel, w, 0.0), axis=1)
-            yk = tl.load(y_ptr + pos_k[:, None].to(tl.int64) * stride_y + cols[None, :],
-                         mask=has[:, None] & cm[None, :], other=0.0)
-            acc += w_k[:, None] * yk.to(tl.float32)
+            yk = tl.load(rows_k[k][:, None] + cols[None, :], mask=has_k[k][:, None] & cm[None, :], other=0.0)
+            acc += w_k[k][:, None] * yk.to(tl.float32)
         tl.store(dst + cols[None, :], acc.to(OUT_DTYPE), mask=live[:, None] & cm[None, :])
     if REMOTE:
         if other_node(rank, src, ranks_per_node):
@@ -138,6 +140,7 @@ def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, 
     slots on d are consecutive, so they span at most two of d's blocks)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    bases = peer_bases(peer_bases_ptr, R, R_PAD)
     for blk in range(pid, tl.cdiv(T, BT), nprog):
         toks = blk * BT + tl.arange(0, BT)
         tm = toks < T
@@ -151,20 +154,24 @@ def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, 
             ready = wait_blocks(flags + lo // PB, flags + hi // PB, hi >= 0, target, status_ptr, timeout_ns,
                                 max_spins, R_PAD, USE_TIMER)
             h_end = tl.where(ready, H, 0)  # a peer timed out: no loads (the launcher raises)
+        # each rank's row of every token, once per block: in the channel loop, the slot and
+        # (pulling) block address loads would come again before each row load that needs them
+        srcs = ()
+        oks = ()
+        for d in tl.static_range(R_PAD):
+            slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R), other=-1)
+            if PULL:
+                src = at_offset(bases[d], off_x, recv_ptr.dtype.element_ty) + (rank * N + slot).to(tl.int64) * H
+            else:
+                src = recv_ptr + (d * N + slot).to(tl.int64) * H
+            srcs = srcs + (src,)
+            oks = oks + (slot >= 0,)
         for h0 in range(0, h_end, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             cm = cols < H
             acc = tl.zeros((BT, BLOCK_H), dtype=tl.float32)
             for d in tl.static_range(R_PAD):  # unrolled: every rank's row in flight at once
-                slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R), other=-1)
-                ok = slot >= 0
-                if PULL:
-                    src_ptr = peer_ptr(peer_bases_ptr, d % R, off_x, recv_ptr.dtype.element_ty)
-                    rows = (rank * N + slot).to(tl.int64)
-                else:
-                    src_ptr = recv_ptr
-                    rows = (d * N + slot).to(tl.int64)
-                v = tl.load(src_ptr + rows[:, None] * H + cols[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
+                v = tl.load(srcs[d][:, None] + cols[None, :], mask=oks[d][:, None] & cm[None, :], other=0.0)
                 acc += v.to(tl.float32)
             if HAS_ADD:
                 acc += tl.load(add_ptr + toks[:, None].to(tl.int64) * stride_add + cols[None, :],
@@ -177,12 +184,12 @@ def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, 
 def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr,
                          epochs_ptr, send_counter_ptr, off_x, off_signal, off_sx, off_ready, rank, R, L, N, H,
                          ranks_per_node,
-                         K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, BJ: tl.constexpr,
+                         K: tl.constexpr, R_PAD: tl.constexpr, BJ: tl.constexpr,
                          BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr,
                          EMULATE: tl.constexpr, PULL: tl.constexpr, PB: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
-                  off_ready, epoch, rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB,
+                  off_ready, epoch, rank, R, L, N, H, ranks_per_node, K, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB,
                   REMOTE, EMULATE, PULL, PB)
     if last_program_done(send_counter_ptr, True):
         if not PULL:  # pull: the blocks' flags are the signals
@@ -209,13 +216,13 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
                           signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
                           epochs_ptr, send_counter_ptr, recv_counter_ptr, status_ptr,
                           off_x, off_signal, off_sx, rank, R, L, N, H, ranks_per_node, T, timeout_ns, max_spins,
-                          K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr,
+                          K: tl.constexpr, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr,
                           BJ: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HS: tl.constexpr,
                           OUT_DTYPE: tl.constexpr,
                           XB: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
-                  0, epoch, rank, R, L, N, H, ranks_per_node, K, K_PAD, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE,
+                  0, epoch, rank, R, L, N, H, ranks_per_node, K, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE,
                   EMULATE, False, 1)
     if last_program_done(send_counter_ptr, True):
         _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
@@ -266,7 +273,7 @@ def _send_named(cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs:
                 src_offsets_ptr=handle.recv.src_offsets_RL, recv_counts_ptr=handle.recv.recv_counts_R,
                 send_counter_ptr=ws.counters[COUNTER_COMBINE_SEND:], rank=bufs.rank, L=cfg.experts_per_rank,
                 ranks_per_node=cfg.gpus_per_node, **bufs.combine.send_args(), **_common_args(cfg, bufs, ws))
-    meta = dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), BJ=rows,
+    meta = dict(K=cfg.top_k, BJ=rows,
                 OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype], XB=_WIRE_BYTES[cfg.combine_dtype], **remote_meta(cfg))
     return args, meta
 
