@@ -27,6 +27,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from ray_ep import reference  # noqa: E402
 from ray_ep.config import FP8_GROUP, NVFP4_BLOCK, EPConfig  # noqa: E402
@@ -37,6 +39,7 @@ from ray_ep.kernels import dispatch as D  # noqa: E402
 from ray_ep.kernels.buffers import check_status  # noqa: E402
 from ray_ep.kernels.experts import ExpertScratch, LocalExperts, run_experts_torch, shared_experts  # noqa: E402
 from ray_ep.kernels.layout import compute_layout_torch  # noqa: E402
+from ray_ep.kernels.pairs import join_pairs, pair_ptr, unpack_pairs  # noqa: E402
 from ray_ep.transport.local import LocalWorld  # noqa: E402
 from ray_ep.inputs import make_inputs  # noqa: E402
 from ray_ep.weights import ExpertWeights, init_expert_weights  # noqa: E402
@@ -964,3 +967,24 @@ def test_tiles_under_an_sm_budget(monkeypatch, R, sum_channels):
     assert D._send_tile(cfg, cpu, 24, 4) == (8, 2048, 32)
     # a narrow model takes its whole row per step
     assert _util.comm_tile(256, cpu, 24, "combine", channels=4096) == (8, 256, 32)
+
+
+@triton.jit
+def _pairs_round_trip_kernel(x_ptr, out_ptr, H, BP: tl.constexpr):
+    pairs = tl.arange(0, BP)[None, :]
+    even, odd = unpack_pairs(tl.load(pair_ptr(x_ptr) + pairs, mask=pairs < H // 2, other=0))
+    cols = tl.arange(0, 2 * BP)[None, :]
+    tl.store(out_ptr + cols, join_pairs(even, odd), mask=cols < H)
+
+
+def test_bf16_pairs_unpack_to_their_fp32_values_in_channel_order():
+    """The combine's send under an SM budget reads bf16 rows two channels per int32
+    (kernels/pairs.py): every bf16, specials included, must come back as its fp32 value, in
+    its channel's place."""
+    H = 200  # not a power of two: masked pairs at the end
+    x = torch.randn(H, generator=torch.Generator().manual_seed(5)) * 1e3
+    x[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-40, -3.0])  # 1e-40: subnormal
+    x = x.to(torch.bfloat16).to(device)
+    out = torch.full((H,), 7.0, device=device)
+    _pairs_round_trip_kernel[(1,)](x, out, H, BP=triton.next_power_of_2(H // 2))
+    assert torch.equal(out.view(torch.int32), x.float().view(torch.int32))

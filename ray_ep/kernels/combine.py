@@ -33,6 +33,7 @@ from ._sync import at_offset, last_program_done, peer_bases, peer_ptr, release_s
 from ._util import comm_tile, interpreted, launch, num_sms as sm_count, remote_meta, side_stream, timeouts
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
+from .pairs import join_pairs, pair_ptr, unpack_pairs
 
 
 # ---- device code ---------------------------------------------------------------------------
@@ -41,7 +42,7 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
                   off_ready, epoch, rank, R, L, N, H, ranks_per_node, K: tl.constexpr, R_PAD: tl.constexpr,
                   BJ: tl.constexpr,
                   BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr,
-                  EMULATE: tl.constexpr, PULL: tl.constexpr, PB: tl.constexpr):
+                  EMULATE: tl.constexpr, PULL: tl.constexpr, PB: tl.constexpr, Y_PAIRS: tl.constexpr):
     """Weighted partial sum of each received row's local experts, stored back at its source
     (on this node), or staged in this rank's ``combine.send`` rows and put to it (other nodes);
     PULL: kept in this rank's own ``combine.recv`` rows, where the sources load it, each block
@@ -53,15 +54,23 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
     # rank r starts with source r + 1 so the ranks do not all begin on one peer
     p_idx = tl.arange(0, R_PAD)
     rows = tl.load(recv_counts_ptr + (p_idx + rank + 1) % R, mask=p_idx < R, other=0)
+    counts = ()  # the same as scalars, by source
+    for d in tl.static_range(R_PAD):
+        counts = counts + (tl.load(recv_counts_ptr + d, mask=d < R, other=0),)
     for b in range(pid, tl.max((rows + BJ - 1) // BJ, axis=0) * R, nprog):
         pos_b = b % R
+        src = (pos_b + rank + 1) % R
         first = (b // R) * BJ
-        n_src = tl.sum(tl.where(p_idx == pos_b, rows, 0), axis=0)
+        if BJ > 1:  # whole-SM programs: selects, not a reduction through shared memory (barriers)
+            n_src = counts[0]
+            for d in tl.static_range(1, R_PAD):
+                n_src = tl.where(src == d, counts[d], n_src)
+        else:  # selects measured slower here (decode combine, 4x H200: 32.5 -> 34.4 us)
+            n_src = tl.sum(tl.where(p_idx == pos_b, rows, 0), axis=0)
         if first < n_src:  # sources with fewer blocks leave gaps
-            src = (pos_b + rank + 1) % R
             _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, off_x, off_sx, src, first,
                            n_src, rank, L, N, H, ranks_per_node, K, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE, EMULATE,
-                           PULL)
+                           PULL, Y_PAIRS)
             if PULL:  # every thread's rows are stored: tell the source this block is ready
                 tl.debug_barrier()
                 flag = peer_ptr(peer_bases_ptr, src, off_ready, tl.int64) + rank * ((N + PB - 1) // PB) + first // PB
@@ -75,7 +84,7 @@ def _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, o
                    rank, L, N, H, ranks_per_node, K: tl.constexpr, BJ: tl.constexpr,
                    BLOCK_H: tl.constexpr,
                    OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
-                   PULL: tl.constexpr):
+                   PULL: tl.constexpr, Y_PAIRS: tl.constexpr):
     """Rows first .. first + BJ - 1 (below n_src) of those received from ``src``."""
     i = first + tl.arange(0, BJ)
     live = i < n_src
@@ -104,11 +113,23 @@ def _combine_block(y_ptr, stride_y, meta_ptr, src_offsets_ptr, peer_bases_ptr, o
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         cm = cols < H
-        acc = tl.zeros((BJ, BLOCK_H), dtype=tl.float32)
         # unrolled over the K slots: the loads of all local experts are in flight at once
-        for k in tl.static_range(K):
-            yk = tl.load(rows_k[k][:, None] + cols[None, :], mask=has_k[k][:, None] & cm[None, :], other=0.0)
-            acc += w_k[k][:, None] * yk.to(tl.float32)
+        if Y_PAIRS:
+            pairs = h0 // 2 + tl.arange(0, BLOCK_H // 2)
+            pm = pairs < H // 2
+            even = tl.zeros((BJ, BLOCK_H // 2), dtype=tl.float32)
+            odd = tl.zeros((BJ, BLOCK_H // 2), dtype=tl.float32)
+            for k in tl.static_range(K):
+                y_even, y_odd = unpack_pairs(tl.load(pair_ptr(rows_k[k])[:, None] + pairs[None, :],
+                                                     mask=has_k[k][:, None] & pm[None, :], other=0))
+                even += w_k[k][:, None] * y_even
+                odd += w_k[k][:, None] * y_odd
+            acc = join_pairs(even, odd)
+        else:
+            acc = tl.zeros((BJ, BLOCK_H), dtype=tl.float32)
+            for k in tl.static_range(K):
+                yk = tl.load(rows_k[k][:, None] + cols[None, :], mask=has_k[k][:, None] & cm[None, :], other=0.0)
+                acc += w_k[k][:, None] * yk.to(tl.float32)
         tl.store(dst + cols[None, :], acc.to(OUT_DTYPE), mask=live[:, None] & cm[None, :])
     if REMOTE:
         if other_node(rank, src, ranks_per_node):
@@ -186,11 +207,11 @@ def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts
                          ranks_per_node,
                          K: tl.constexpr, R_PAD: tl.constexpr, BJ: tl.constexpr,
                          BLOCK_H: tl.constexpr, OUT_DTYPE: tl.constexpr, XB: tl.constexpr, REMOTE: tl.constexpr,
-                         EMULATE: tl.constexpr, PULL: tl.constexpr, PB: tl.constexpr):
+                         EMULATE: tl.constexpr, PULL: tl.constexpr, PB: tl.constexpr, Y_PAIRS: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
                   off_ready, epoch, rank, R, L, N, H, ranks_per_node, K, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB,
-                  REMOTE, EMULATE, PULL, PB)
+                  REMOTE, EMULATE, PULL, PB, Y_PAIRS)
     if last_program_done(send_counter_ptr, True):
         if not PULL:  # pull: the blocks' flags are the signals
             _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
@@ -219,11 +240,12 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
                           K: tl.constexpr, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr,
                           BJ: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HS: tl.constexpr,
                           OUT_DTYPE: tl.constexpr,
-                          XB: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr):
+                          XB: tl.constexpr, USE_TIMER: tl.constexpr, REMOTE: tl.constexpr, EMULATE: tl.constexpr,
+                          Y_PAIRS: tl.constexpr):
     epoch = tl.load(epochs_ptr)
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
                   0, epoch, rank, R, L, N, H, ranks_per_node, K, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE,
-                  EMULATE, False, 1)
+                  EMULATE, False, 1, Y_PAIRS)
     if last_program_done(send_counter_ptr, True):
         _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
     if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
@@ -267,13 +289,20 @@ def _out(handle: DispatchHandle, cfg: EPConfig, out_dtype: torch.dtype, add_TH: 
 
 
 def _send_named(cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
-                rows: int) -> tuple[dict, dict]:
-    """Arguments and constexprs of the send half (``rows`` received rows per program)."""
+                rows: int, budget: int | None) -> tuple[dict, dict]:
+    """Arguments and constexprs of the send half (``rows`` received rows per program, whole-SM
+    programs if ``budget``)."""
     args = dict(y_ptr=y_MH, stride_y=y_MH.stride(0), meta_ptr=handle.meta_rows,
                 src_offsets_ptr=handle.recv.src_offsets_RL, recv_counts_ptr=handle.recv.recv_counts_R,
                 send_counter_ptr=ws.counters[COUNTER_COMBINE_SEND:], rank=bufs.rank, L=cfg.experts_per_rank,
                 ranks_per_node=cfg.gpus_per_node, **bufs.combine.send_args(), **_common_args(cfg, bufs, ws))
-    meta = dict(K=cfg.top_k, BJ=rows,
+    # bf16 expert rows read in pairs (kernels/pairs.py; every row must start 4-byte aligned)
+    # by whole-SM programs, which their instructions bound (4x H200, prefill combine at 24 /
+    # 16 SMs with the block's source picked by selects: 996 / 1457 -> 928 / 1344 us). With
+    # every SM it measured within noise (557.6 -> 562.6 and 559.4 -> 553.0 us): not there
+    pairs = (bool(budget) and y_MH.dtype == torch.bfloat16 and y_MH.stride(0) % 2 == 0
+             and y_MH.data_ptr() % 4 == 0)
+    meta = dict(K=cfg.top_k, BJ=rows, Y_PAIRS=pairs,
                 OUT_DTYPE=_TL_DTYPES[cfg.combine_dtype], XB=_WIRE_BYTES[cfg.combine_dtype], **remote_meta(cfg))
     return args, meta
 
@@ -324,7 +353,7 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
     rows, tile, _, warps = _tile(cfg, bufs, budget, handle.num_tokens)
     if pull:
         rows = PULL_BLOCK_ROWS  # one readiness flag per block
-    args, meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
+    args, meta = _send_named(cfg, y_MH, handle, bufs, ws, rows, budget)
     args["off_ready"] = bufs.combine.off_ready  # the send kernel's pull arguments (the fused one has none)
     meta.update(PULL=pull, PB=PULL_BLOCK_ROWS)
     # the host does not know how many rows arrived: a grid the SMs hold at once, looping over the live blocks
@@ -370,7 +399,7 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
     budget = num_sms or cfg.num_sms
     rows, send_tile, sum_tile, warps = _tile(cfg, bufs, budget, handle.num_tokens)
-    send_args, send_meta = _send_named(cfg, y_MH, handle, bufs, ws, rows)
+    send_args, send_meta = _send_named(cfg, y_MH, handle, bufs, ws, rows, budget)
     recv_args, recv_meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
     work = max(triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), triton.cdiv(handle.num_tokens, rows))
     launch(_combine_fused_kernel, work=work, device=bufs.device, budget=budget, resident=True,
