@@ -212,6 +212,37 @@ def _row_loop_barriers(ptx: str) -> int:
     return barriers
 
 
+def _loops(lines: list[str]) -> list[tuple[int, int]]:
+    """The loops of PTX ``lines`` as [label line, backward branch line] ranges."""
+    import re
+
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\$L__\w+):", line))}
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
+        if m and labels.get(m.group(1), i + 1) <= i:  # a branch back: the loop [label, branch]
+            loops.append((labels[m.group(1)], i))
+    return loops
+
+
+def _block_loop_barriers(ptx: str) -> int:
+    """Barriers in the loops just around the row-storing channel loops of ``ptx`` (a block's
+    work: its rows, slots and meta), outside those channel loops. Under an SM budget each
+    stops every warp once per block: the combine's send picked each slot's row out of a
+    [rows, K] tile through shared memory, 16 barriers a block (8 rows, K 8)."""
+    import re
+
+    lines = ptx.splitlines()
+    loops = _loops(lines)
+    inside = lambda inner, outer: outer[0] <= inner[0] and inner[1] <= outer[1] and inner != outer  # noqa: E731
+    rows = [lp for lp in loops if not any(inside(o, lp) for o in loops)
+            and any(re.search(r"st\.global(?:\.\w+)*?\.(?:v[24]|b64)\b", line) for line in lines[lp[0]:lp[1] + 1])]
+    blocks = {min((o for o in loops if inside(lp, o)), key=lambda o: o[1] - o[0]) for lp in rows
+              if any(inside(lp, o) for o in loops)}
+    return sum(1 for a, b in blocks for i in range(a, b + 1)
+               if re.search(r"\bbar(?:rier)?\.sync\b", lines[i]) and not any(c <= i <= d for c, d in rows))
+
+
 def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None = None, specialize: bool = False):
     """A cubin of ``kernel`` for sm_90. ``specialize``: as Triton's JIT does at a launch, an
     integer argument equal to 1 becomes a constant and pointers and integers divisible by 16
@@ -267,9 +298,10 @@ def main() -> int:
         sys.exit("run without TRITON_INTERPRET")
     from ray_ep.config import EPConfig
 
+    # top-8 as the presets route: a [rows, K] tile of 8 rows then spans warps (K 4 stays in one)
     cfg = EPConfig.preset("tiny", n_nodes=2 if a.multi_node else 1, gpus_per_node=2,
                           dispatch_dtype="fp8" if a.fp8 else "nvfp4" if a.nvfp4 else "bf16", hidden_size=2048,
-                          max_tokens_per_rank=512)
+                          max_tokens_per_rank=512, top_k=8)
     bitcode = a.bitcode
     if a.multi_node and bitcode is None:
         try:
@@ -301,6 +333,7 @@ def main() -> int:
                   f"nvshmem={'nvshmem' in ck.asm['ptx']}, wgmma={_wgmma(ck.asm['ptx'])}, "
                   f"narrow_stores={_narrow_stores(ck.asm['ptx'])}, tma={'cp.async.bulk.tensor' in ck.asm['ptx']}, "
                   f"warps={options.get('num_warps', 4)}, row_loop_barriers={_row_loop_barriers(ck.asm['ptx'])}, "
+                  f"block_loop_barriers={_block_loop_barriers(ck.asm['ptx'])}, "
                   f"shared={ck.metadata.shared}")
         except Exception:  # noqa: BLE001 - report every kernel
             failed += 1
