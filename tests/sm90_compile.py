@@ -189,27 +189,8 @@ def _narrow_stores(ptx: str) -> int:
     return len(re.findall(r"st\.global(?:\.\w+)*?\.b(?:8|16)\b", ptx))
 
 
-def _row_loop_barriers(ptx: str) -> int:
-    """Barriers (``bar.sync``) inside the innermost loops of ``ptx`` that store vectors (8 or
-    16 bytes a thread: rows of bf16, fp8 or packed nvfp4). Under an SM budget a program is
-    alone on its SM, and a barrier in its channel loop makes all of its warps wait for the
-    slowest at every step (fp8's scales once did, through shared memory: 16-18% of the send)."""
-    import re
-
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\$L__\w+):", line))}
-    loops = []
-    for i, line in enumerate(lines):
-        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
-        if m and labels.get(m.group(1), i + 1) <= i:  # a branch back: the loop [label, branch]
-            loops.append((labels[m.group(1)], i))
-    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
-    barriers = 0
-    for a, b in innermost:
-        body = lines[a:b + 1]
-        if any(re.search(r"st\.global(?:\.\w+)*?\.(?:v[24]|b64)\b", line) for line in body):
-            barriers += sum(1 for line in body if re.search(r"\bbar(?:rier)?\.sync\b", line))
-    return barriers
+_VECTOR_STORE = r"st\.global(?:\.\w+)*?\.(?:v[24]|b64)\b"  # 8 or 16 bytes a thread: a row's values
+_BARRIER = r"\bbar(?:rier)?\.sync\b"
 
 
 def _loops(lines: list[str]) -> list[tuple[int, int]]:
@@ -225,6 +206,29 @@ def _loops(lines: list[str]) -> list[tuple[int, int]]:
     return loops
 
 
+def _inside(inner: tuple[int, int], outer: tuple[int, int]) -> bool:
+    return outer[0] <= inner[0] and inner[1] <= outer[1] and inner != outer
+
+
+def _row_loops(lines: list[str], loops: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The innermost loops that store vectors (rows of bf16, fp8 or packed nvfp4)."""
+    import re
+
+    return [lp for lp in loops if not any(_inside(o, lp) for o in loops)
+            and any(re.search(_VECTOR_STORE, line) for line in lines[lp[0]:lp[1] + 1])]
+
+
+def _row_loop_barriers(ptx: str) -> int:
+    """Barriers (``bar.sync``) inside the row-storing innermost loops of ``ptx``. Under an SM
+    budget a program is alone on its SM, and a barrier in its channel loop makes all of its
+    warps wait for the slowest at every step (fp8's scales once did, through shared memory:
+    16-18% of the send)."""
+    import re
+
+    lines = ptx.splitlines()
+    return sum(1 for a, b in _row_loops(lines, _loops(lines)) for line in lines[a:b + 1] if re.search(_BARRIER, line))
+
+
 def _block_loop_barriers(ptx: str) -> int:
     """Barriers in the loops just around the row-storing channel loops of ``ptx`` (a block's
     work: its rows, slots and meta), outside those channel loops. Under an SM budget each
@@ -234,13 +238,11 @@ def _block_loop_barriers(ptx: str) -> int:
 
     lines = ptx.splitlines()
     loops = _loops(lines)
-    inside = lambda inner, outer: outer[0] <= inner[0] and inner[1] <= outer[1] and inner != outer  # noqa: E731
-    rows = [lp for lp in loops if not any(inside(o, lp) for o in loops)
-            and any(re.search(r"st\.global(?:\.\w+)*?\.(?:v[24]|b64)\b", line) for line in lines[lp[0]:lp[1] + 1])]
-    blocks = {min((o for o in loops if inside(lp, o)), key=lambda o: o[1] - o[0]) for lp in rows
-              if any(inside(lp, o) for o in loops)}
+    rows = _row_loops(lines, loops)
+    blocks = {min((o for o in loops if _inside(lp, o)), key=lambda o: o[1] - o[0]) for lp in rows
+              if any(_inside(lp, o) for o in loops)}
     return sum(1 for a, b in blocks for i in range(a, b + 1)
-               if re.search(r"\bbar(?:rier)?\.sync\b", lines[i]) and not any(c <= i <= d for c, d in rows))
+               if re.search(_BARRIER, lines[i]) and not any(c <= i <= d for c, d in rows))
 
 
 def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None = None, specialize: bool = False):
