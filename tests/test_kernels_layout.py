@@ -161,6 +161,17 @@ def test_sm_budget_caps_every_launch(num_sms):
     assert all(r.programs == num_sms for r in launches), launches
 
 
+def test_wide_top_k_under_an_sm_budget():
+    """The assign counts each (token, k)'s same-expert matches in packed fields, 10 bits wide
+    while a block has under 1024 of them, else 21: top-16 in the interpreter's 64-token
+    blocks takes the wide fields (a GPU's 16-token blocks the narrow ones)."""
+    R, L, K = 2, 16, 16
+    T = 2 * block_tokens() + 5
+    gen = torch.Generator().manual_seed(16)
+    ids = random_ids(T, K, R * L, gen, masked=0.1).to(device)
+    check_semantics(check_equal(ids, R, L, num_sms=2), ids, R, L)
+
+
 def test_many_chunks():
     """More chunks than the assign kernel sums at once (8 rows of counts per step): each
     program's base rows come from several steps; a budget above the chunks takes one program

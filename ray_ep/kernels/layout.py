@@ -138,21 +138,16 @@ def assign_block(ids_ptr, stride_t, t0, end, run, run_r, slots_ptr, ordinals_ptr
     r_idx = tl.arange(0, R_PAD)
     ids, valid, goes = _block_ids(ids_ptr, stride_t, t0, end, K, L, E, BT, K_PAD, R_PAD)
     f = tl.reshape(ids, (BT * K_PAD,))
-    same = f[:, None] == f[None, :]
-    if BT * K < 1024:
-        # one sum counts the same expert in earlier tokens (bits 0-9), in its own token (bits
-        # 10-19: itself, more only if a token lists an expert twice) and in later ones (20-29)
-        order = tl.where(tok[None, :] < tok[:, None], 1, tl.where(tok[None, :] > tok[:, None], 1 << 20, 1 << 10))
-        counts = tl.reshape(tl.sum(tl.where(same, order, 0), axis=1), (BT, K_PAD))
-        earlier = counts & 0x3FF
-        upto = earlier + ((counts >> 10) & 0x3FF)
-        later = counts >> 20
-    else:  # too many (token, k) pairs for 10-bit counts (the interpreter's big blocks): 16 bits
-        order = tl.where(tok[None, :] < tok[:, None], 1, tl.where(tok[None, :] > tok[:, None], 65536, 0))
-        counts = tl.reshape(tl.sum(tl.where(same, order, 0), axis=1), (BT, K_PAD))
-        earlier = counts & 0xFFFF
-        later = counts >> 16
-        upto = earlier + tl.sum((ids[:, :, None] == ids[:, None, :]).to(tl.int32), axis=2)
+    # one sum counts the same expert in earlier tokens (low field), in its own token (middle:
+    # itself, more only if a token lists an expert twice) and in later ones (high): 10-bit
+    # fields of an int32 where BT * K < 1024 (a GPU's blocks), else 21-bit ones of an int64
+    FIELD: tl.constexpr = 10 if BT * K < 1024 else 21
+    order = tl.where(tok[None, :] < tok[:, None], 1,
+                     tl.where(tok[None, :] > tok[:, None], 1 << (2 * FIELD), 1 << FIELD))
+    counts = tl.reshape(tl.sum(tl.where(f[:, None] == f[None, :], order, 0), axis=1), (BT, K_PAD))
+    earlier = (counts & ((1 << FIELD) - 1)).to(tl.int32)
+    upto = earlier + ((counts >> FIELD) & ((1 << FIELD) - 1)).to(tl.int32)
+    later = counts >> (2 * FIELD)
     at = run + tl.where(valid, ids, 0)
     rows_e = tl.load(at, mask=valid, other=0, volatile=True)
     toks = t0 + tl.arange(0, BT)
