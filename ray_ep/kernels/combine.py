@@ -161,7 +161,7 @@ def _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, 
     slots on d are consecutive, so they span at most two of d's blocks)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    bases = peer_bases(peer_bases_ptr, R, R_PAD)
+    bases = peer_bases(peer_bases_ptr, R, R_PAD)  # pulling: where each rank's rows are (a push never reads them)
     for blk in range(pid, tl.cdiv(T, BT), nprog):
         toks = blk * BT + tl.arange(0, BT)
         tm = toks < T
