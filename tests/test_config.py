@@ -370,7 +370,7 @@ PLAN_CONFIGS = {
     "mixtral-8": EPConfig.preset("mixtral", gpus_per_node=8),
 }
 REGIONS = {"dispatch.send", "dispatch.recv", "dispatch.recv_count", "combine.send", "combine.recv",
-           "combine.recv_count", "combine.ready"}
+           "combine.recv_count"}
 
 
 def round_up(n: int) -> int:
@@ -415,8 +415,6 @@ def test_plan_shapes(key):
         "combine.send.x": ((R, N, H), cfg.combine_dtype),
         "combine.recv.x": ((R, N, H), cfg.combine_dtype),
         "combine.recv_count.signal": ((R,), "int64"),
-        # the epoch each block of partial rows is ready in (pull: blocks of 8 rows)
-        "combine.ready.signal": ((R, -(-N // 8) if cfg.combine_mode == "pull" else N), "int64"),
     }
     if cfg.dispatch_dtype == "fp8":  # fp8 adds one fp32 scale per 128 channels, send and recv
         expected["dispatch.send.scales"] = ((N, H // 128), "fp32")
@@ -491,9 +489,8 @@ def test_plan_total_tiny_2_ranks():
         + 2 * 32 * 128 * 2  # combine.send.x  16384
         + 2 * 32 * 128 * 2  # combine.recv.x  16384
         + 128  # combine.recv_count.signal: 16 -> 128
-        + 2 * 32 * 8  # combine.ready.signal: a flag per partial row of each rank, 512
     )
-    assert expected == 62976
+    assert expected == 62464
     assert plan_buffers(EPConfig.preset("tiny")).total_bytes == expected
 
 
@@ -512,9 +509,8 @@ def test_plan_total_deepseek_v3_4_ranks():
         R * N * H * 2,  # combine.send.x (bf16)
         R * N * H * 2,  # combine.recv.x
         R * 8,  # combine.recv_count.signal
-        R * N * 8,  # combine.ready.signal
     ])
-    assert expected == 765_463_040
+    assert expected == 765_331_968
     total = plan_buffers(cfg).total_bytes
     assert total == expected
     assert 700 * 2**20 < total < 900 * 2**20  # sanity: ~730 MiB per GPU
