@@ -372,8 +372,10 @@ def plan_buffers(cfg: EPConfig) -> BufferPlan:
         ("dispatch.send.counts", (R, L + 1), "int32"),
         ("dispatch.recv.x", (R, N, *row), x_dtype),
         ("dispatch.recv.meta", (R, N, 3 * K), "int32"),
-        # per source: [rows sent, rows for each local expert]
-        ("dispatch.recv_count.counts", (R, L + 1), "int32"),
+        # per round parity, per source: [rows sent, rows for each local expert]. Two sets: with
+        # combine_mode "pull" a source that needs no row from this rank may publish its next
+        # round's counts before this rank has read this round's (docs/design.md)
+        ("dispatch.recv_count.counts", (2, R, L + 1), "int32"),
         ("dispatch.recv_count.signal", (R,), "int64"),
         ("combine.send.x", (R, N, H), cfg.combine_dtype),
         ("combine.recv.x", (R, N, H), cfg.combine_dtype),

@@ -410,7 +410,7 @@ def test_plan_shapes(key):
         "dispatch.send.counts": ((R, L + 1), "int32"),
         "dispatch.recv.x": ((R, N, H), cfg.dispatch_dtype),
         "dispatch.recv.meta": ((R, N, 3 * K), "int32"),
-        "dispatch.recv_count.counts": ((R, L + 1), "int32"),
+        "dispatch.recv_count.counts": ((2, R, L + 1), "int32"),  # one set per round parity
         "dispatch.recv_count.signal": ((R,), "int64"),
         "combine.send.x": ((R, N, H), cfg.combine_dtype),
         "combine.recv.x": ((R, N, H), cfg.combine_dtype),
@@ -484,13 +484,13 @@ def test_plan_total_tiny_2_ranks():
         + 128  # dispatch.send.counts: 2 * 9 * 4 = 72 -> 128
         + 2 * 32 * 128 * 2  # dispatch.recv.x 16384
         + 2 * 32 * 12 * 4  # dispatch.recv.meta 3072
-        + 128  # dispatch.recv_count.counts: 2 * 9 * 4 = 72 -> 128
+        + 256  # dispatch.recv_count.counts: 2 * 2 * 9 * 4 = 144 -> 256
         + 128  # dispatch.recv_count.signal: 2 * 8 = 16 -> 128
         + 2 * 32 * 128 * 2  # combine.send.x  16384
         + 2 * 32 * 128 * 2  # combine.recv.x  16384
         + 128  # combine.recv_count.signal: 16 -> 128
     )
-    assert expected == 62464
+    assert expected == 62592
     assert plan_buffers(EPConfig.preset("tiny")).total_bytes == expected
 
 
@@ -504,13 +504,13 @@ def test_plan_total_deepseek_v3_4_ranks():
         R * (L + 1) * 4,  # dispatch.send.counts
         R * N * H * 2,  # dispatch.recv.x
         R * N * 3 * K * 4,  # dispatch.recv.meta
-        R * (L + 1) * 4,  # dispatch.recv_count.counts
+        2 * R * (L + 1) * 4,  # dispatch.recv_count.counts (two round parities)
         R * 8,  # dispatch.recv_count.signal
         R * N * H * 2,  # combine.send.x (bf16)
         R * N * H * 2,  # combine.recv.x
         R * 8,  # combine.recv_count.signal
     ])
-    assert expected == 765_331_968
+    assert expected == 765_332_992
     total = plan_buffers(cfg).total_bytes
     assert total == expected
     assert 700 * 2**20 < total < 900 * 2**20  # sanity: ~730 MiB per GPU

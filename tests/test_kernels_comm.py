@@ -472,6 +472,51 @@ def test_pulled_partial_rows_stay_on_their_rank():
         assert bool((own[s, n:] == 7.0).all()), f"rows past source {s}'s {n} were written"
 
 
+@pytest.mark.parametrize("impl", [KERNEL, TWIN], ids=lambda i: i.name)
+def test_pull_source_a_round_ahead_of_a_rank_it_needs_nothing_from(impl):
+    """Pull: a source whose tokens go to no expert of rank d never waits for d in its combine,
+    so it may send its next dispatch (counts included) before d has even received this round's.
+    d must still lay out this round from this round's counts (two sets, by round parity)."""
+    cfg = make_cfg(2, "bf16", "fp32", combine_mode="pull")
+    sim = Sim(cfg, impl)
+    first = make_round(cfg, [6, 5], seed=61, avoid_rank=1)  # nobody routes to rank 1's experts
+    second = make_round(cfg, [7, 4], seed=62)  # rank 0 sends rank 1 rows again
+    assert not any((i // cfg.experts_per_rank == 1).any() for i in first.ids)
+    assert bool((second.ids[0] // cfg.experts_per_rank == 1).any())
+    b, w = sim.world.bufs, sim.world.workspaces
+
+    def send(r, inp):
+        return impl.dispatch_send(cfg=cfg, x_TH=inp.x_dev[r], topk_ids_TK=inp.ids_dev[r], topk_weights_TK=inp.w_dev[r],
+                                  bufs=b[r], ws=w[r])
+
+    def recv(r, inp, layout):
+        return impl.dispatch_recv(cfg=cfg, layout=layout, bufs=b[r], ws=w[r], num_tokens=inp.tokens[r],
+                                  out=sim.recv_out[r])
+
+    def combine(r, handle, y):
+        impl.combine_send(cfg=cfg, y_MH=y, handle=handle, bufs=b[r], ws=w[r])
+        return impl.combine_recv(cfg=cfg, handle=handle, bufs=b[r], ws=w[r], out_dtype=torch.float32)
+
+    layouts = [send(r, first) for r in range(2)]
+    h0 = recv(0, first, layouts[0])
+    y0 = sim.run_experts([h0])[0]
+    out0 = combine(0, h0, y0)  # needs only its own rows: done without rank 1
+    ahead = send(0, second)  # rank 0's next dispatch reaches rank 1 first
+    h1 = recv(1, first, layouts[1])  # rank 1's receive of the first round, after it
+    assert h1.recv.recv_counts_R.cpu().tolist() == [0, 0], "rank 1 read the next round's counts"
+    y1 = sim.run_experts([h1])[0]
+    # rank 1's rows were formed in rank 0's pass above: rank 1 takes no part in rank 0's rows
+    out1 = combine(1, h1, y1)
+    check_chain(cfg, first, first.ref_dispatch, [y0, y1], [out0, out1], [None, None])
+    # the second round goes on from there and is whole too
+    behind = send(1, second)
+    handles = [recv(0, second, ahead), recv(1, second, behind)]
+    ref = check_dispatch(cfg, handles, second)
+    ys = sim.run_experts(handles)
+    outs = sim.combine(handles, ys, [None, None])
+    check_chain(cfg, second, ref, ys, outs, [None, None])
+
+
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_launches_report_programs_and_sms(mode):
     # a budget of 1 SM: push sends on the budget, pull forms its partial rows on the SMs the
@@ -767,14 +812,15 @@ def test_too_many_tokens_raises_before_sending(impl):
 
 @pytest.mark.parametrize("impl", [KERNEL, TWIN], ids=lambda i: i.name)
 def test_overflowing_source_raises(impl):
-    # rank 0's counts in rank 1's buffer claim N_max + 1 rows: more than its region holds
+    # rank 0's counts in rank 1's buffer claim N_max + 1 rows: more than its region holds (in
+    # the set of the first round's parity, epoch 0 + 1)
     cfg = make_cfg(2, "bf16", "bf16")
     sim = Sim(cfg, impl)
     inp = make_round(cfg, [5, 6], seed=22)
     layouts = [impl.dispatch_send(cfg=cfg, x_TH=inp.x_dev[r], topk_ids_TK=inp.ids_dev[r],
                                   topk_weights_TK=inp.w_dev[r], bufs=sim.world.bufs[r], ws=sim.world.workspaces[r])
                for r in range(2)]
-    sim.world.bufs[1].local["dispatch.recv_count.counts"][0, 0] = cfg.max_tokens_per_rank + 1
+    sim.world.bufs[1].local["dispatch.recv_count.counts"][1, 0, 0] = cfg.max_tokens_per_rank + 1
     with pytest.raises(EPOverflowError, match="rank 1: dispatch received more rows than its buffers hold"):
         impl.dispatch_recv(cfg=cfg, layout=layouts[1], bufs=sim.world.bufs[1], ws=sim.world.workspaces[1],
                            num_tokens=6)
@@ -794,7 +840,7 @@ def test_overflowing_expert_raises():
     inp = make_round(cfg, [5, 6], seed=23)
     layouts = [D.dispatch_send(cfg=cfg, x_TH=inp.x_dev[r], topk_ids_TK=inp.ids_dev[r], topk_weights_TK=inp.w_dev[r],
                                bufs=sim.world.bufs[r], ws=sim.world.workspaces[r]) for r in range(2)]
-    sim.world.bufs[0].local["dispatch.recv_count.counts"][1, 1] = cfg.max_recv_rows + 1
+    sim.world.bufs[0].local["dispatch.recv_count.counts"][1, 1, 1] = cfg.max_recv_rows + 1  # the first round's set
     with pytest.raises(EPOverflowError, match="rank 0"):
         D.dispatch_recv(cfg=cfg, layout=layouts[0], bufs=sim.world.bufs[0], ws=sim.world.workspaces[0], num_tokens=5)
 

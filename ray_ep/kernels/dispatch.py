@@ -356,10 +356,12 @@ def _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_
     else:
         per_expert = tl.load(expert_counts_ptr + d[:, None] * L + e[None, :], mask=m2, other=0)
         n_rows = tl.load(rank_counts_ptr + d, mask=dm, other=0)
-    # on this node: row ``rank`` of d's counts; on another node: row d of this rank's staging counts
+    # on this node: row ``rank`` of d's counts of this round's parity (value % 2, see
+    # plan_buffers); on another node: row d of this rank's staging counts
+    row = (value % 2) * R + rank
     far = other_node(rank, d, ranks_per_node)
     base = tl.load(peer_bases_ptr + tl.where(far, rank, d), mask=dm, other=0)
-    cnt = tl.where(far, base + off_scounts + d * (L + 1) * 4, base + off_counts + rank * (L + 1) * 4)
+    cnt = tl.where(far, base + off_scounts + d * (L + 1) * 4, base + off_counts + row * (L + 1) * 4)
     cnt = cnt.to(tl.pointer_type(tl.int32))
     tl.store(cnt, n_rows, mask=dm)
     tl.store(cnt[:, None] + 1 + e[None, :], per_expert, mask=m2)
@@ -367,7 +369,7 @@ def _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_
         staged(EMULATE)  # every thread's staged counts before the puts read them
         for r in range(R):
             if other_node(rank, r, ranks_per_node):
-                put_signal(peer_bases_ptr, rank, r, off_counts + rank * (L + 1) * 4, off_scounts + r * (L + 1) * 4,
+                put_signal(peer_bases_ptr, rank, r, off_counts + row * (L + 1) * 4, off_scounts + r * (L + 1) * 4,
                            (L + 1) * 4, off_signal + rank * 8, value, EMULATE)
     tl.debug_barrier()  # the counts of all threads before the release
     release_signals(peer_bases_ptr, R, ranks_per_node, off_signal, rank, value, R_PAD)
@@ -382,6 +384,7 @@ def _recv_layout(signal_ptr, counts_ptr, meta_ptr, target, status_ptr, scratch_p
     """Wait for all sources, then write the expert-major description of what arrived."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    counts_ptr += (target % 2) * R * (L + 1)  # this round's set (see _publish)
     arrived = wait_signals(signal_ptr, R, target, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER)
     if arrived:
         s_idx = tl.arange(0, R_PAD)
@@ -778,8 +781,9 @@ def dispatch_send_torch(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch
         if fp8:
             peer["dispatch.recv.scales"].view(-1, cfg.hidden_size // FP8_GROUP)[dst_rows] = scales[sent]
         peer["dispatch.recv.meta"].view(-1, 3 * cfg.top_k)[dst_rows] = meta[sent]
-        peer["dispatch.recv_count.counts"][me, 0] = layout.rank_counts_R[d]
-        peer["dispatch.recv_count.counts"][me, 1:] = layout.expert_counts_E[d * L:(d + 1) * L]
+        counts = peer["dispatch.recv_count.counts"][(epoch + 1) % 2]  # this round's set, as _publish
+        counts[me, 0] = layout.rank_counts_R[d]
+        counts[me, 1:] = layout.expert_counts_E[d * L:(d + 1) * L]
         peer["dispatch.recv_count.signal"][me] = epoch + 1
     return layout
 
@@ -797,7 +801,7 @@ def dispatch_recv_torch(*, cfg: EPConfig, layout: DispatchLayout, bufs: Symmetri
         ws.status[1:][silent] = 1
     else:
         N, A = cfg.max_tokens_per_rank, cfg.expert_alignment
-        counts = v["dispatch.recv_count.counts"]
+        counts = v["dispatch.recv_count.counts"][(epoch + 1) % 2]
         padded = (counts[:, 1:].sum(0) + A - 1) // A * A
         if int(counts[:, 0].max()) > N or int(padded.sum()) > cfg.max_recv_rows or int(counts.min()) < 0:
             ws.status[0] |= STATUS_OVERFLOW
