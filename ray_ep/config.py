@@ -381,9 +381,9 @@ def plan_buffers(cfg: EPConfig) -> BufferPlan:
         ("combine.recv.x", (R, N, H), cfg.combine_dtype),
         ("combine.recv_count.signal", (R,), "int64"),
     ]
-    if cfg.combine_mode == "pull":
-        # per rank that holds this rank's partial rows: the epoch each block of rows is ready in
-        specs.append(("combine.ready.signal", (R, -(-N // PULL_BLOCK_ROWS)), "int64"))
+    # per rank that holds this rank's partial rows: the epoch each block of rows is ready in
+    # (pull: blocks of PULL_BLOCK_ROWS; push: of the fused combine's rows per program, 1 or more)
+    specs.append(("combine.ready.signal", (R, -(-N // PULL_BLOCK_ROWS) if cfg.combine_mode == "pull" else N), "int64"))
     if fp8:
         specs.insert(1, ("dispatch.send.scales", (N, H // FP8_GROUP), "fp32"))
         specs.insert(5, ("dispatch.recv.scales", (R, N, H // FP8_GROUP), "fp32"))

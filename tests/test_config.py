@@ -370,7 +370,7 @@ PLAN_CONFIGS = {
     "mixtral-8": EPConfig.preset("mixtral", gpus_per_node=8),
 }
 REGIONS = {"dispatch.send", "dispatch.recv", "dispatch.recv_count", "combine.send", "combine.recv",
-           "combine.recv_count"}
+           "combine.recv_count", "combine.ready"}
 
 
 def round_up(n: int) -> int:
@@ -415,6 +415,8 @@ def test_plan_shapes(key):
         "combine.send.x": ((R, N, H), cfg.combine_dtype),
         "combine.recv.x": ((R, N, H), cfg.combine_dtype),
         "combine.recv_count.signal": ((R,), "int64"),
+        # the epoch each block of partial rows is ready in (pull: blocks of 8 rows)
+        "combine.ready.signal": ((R, -(-N // 8) if cfg.combine_mode == "pull" else N), "int64"),
     }
     if cfg.dispatch_dtype == "fp8":  # fp8 adds one fp32 scale per 128 channels, send and recv
         expected["dispatch.send.scales"] = ((N, H // 128), "fp32")
@@ -489,8 +491,9 @@ def test_plan_total_tiny_2_ranks():
         + 2 * 32 * 128 * 2  # combine.send.x  16384
         + 2 * 32 * 128 * 2  # combine.recv.x  16384
         + 128  # combine.recv_count.signal: 16 -> 128
+        + 2 * 32 * 8  # combine.ready.signal: a flag per partial row of each rank, 512
     )
-    assert expected == 62592
+    assert expected == 63104
     assert plan_buffers(EPConfig.preset("tiny")).total_bytes == expected
 
 
@@ -509,8 +512,9 @@ def test_plan_total_deepseek_v3_4_ranks():
         R * N * H * 2,  # combine.send.x (bf16)
         R * N * H * 2,  # combine.recv.x
         R * 8,  # combine.recv_count.signal
+        R * N * 8,  # combine.ready.signal
     ])
-    assert expected == 765_332_992
+    assert expected == 765_464_064
     total = plan_buffers(cfg).total_bytes
     assert total == expected
     assert 700 * 2**20 < total < 900 * 2**20  # sanity: ~730 MiB per GPU

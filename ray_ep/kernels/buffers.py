@@ -159,13 +159,10 @@ class CombineBuffers:
     @classmethod
     def of(cls, bufs: SymmetricBuffers) -> "CombineBuffers":
         v = bufs.local
-        # combine_mode "pull" only: readiness flags of the peers' blocks (else the signals stand in, unused)
-        pull = "combine.ready.signal" in v
         return cls(peer_bases_ptr=bufs.peer_bases, off_x=bufs.offset("combine.recv.x"),
                    off_signal=bufs.offset("combine.recv_count.signal"), off_sx=bufs.offset("combine.send.x"),
-                   off_ready=bufs.offset("combine.ready.signal") if pull else 0,
-                   signal_ptr=v["combine.recv_count.signal"], recv_ptr=v["combine.recv.x"],
-                   ready_ptr=v["combine.ready.signal" if pull else "combine.recv_count.signal"])
+                   off_ready=bufs.offset("combine.ready.signal"), signal_ptr=v["combine.recv_count.signal"],
+                   recv_ptr=v["combine.recv.x"], ready_ptr=v["combine.ready.signal"])
 
     def send_args(self) -> dict:
         return {k: getattr(self, k) for k in ("peer_bases_ptr", "off_x", "off_signal", "off_sx")}
