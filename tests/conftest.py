@@ -11,6 +11,12 @@
 Markers (declared in pyproject.toml)
     ``gpu``: skipped without CUDA. ``multi_gpu(n)``: skipped with fewer than n GPUs.
 
+Failure reports as they happen
+    With ``RAY_EP_TEST_REPORTS=<file>`` each failed test's report is appended to that file the
+    moment it fails. pytest prints its reports at the end of the session, after the session's
+    fixtures are torn down; on a GPU host under a time limit, a run cut short (or a Ray and
+    NVSHMEM teardown that stalls after a failure) otherwise leaves only an ``F``.
+
 Triton interpreter
     Without CUDA the kernels run in Triton's CPU interpreter, which ``@triton.jit`` picks when
     the kernel modules are imported. pytest imports every test module before running any, and
@@ -77,6 +83,13 @@ def _ray_session_alive(request):
     if uses:
         request.getfixturevalue("ray_session").ensure()
     yield
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("RAY_EP_TEST_REPORTS")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 def pytest_collection_modifyitems(config, items):
