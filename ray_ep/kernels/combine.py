@@ -61,7 +61,8 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
     counts = ()  # the same as scalars, by source
     for d in tl.static_range(R_PAD):
         counts = counts + (tl.load(recv_counts_ptr + d, mask=d < R, other=0),)
-    for b in range(pid, tl.max((rows + BJ - 1) // BJ, axis=0) * R, nprog):
+    blocks = tl.max((rows + BJ - 1) // BJ, axis=0) * R
+    for b in range(pid, blocks, nprog):
         pos_b = b % R
         src = (pos_b + rank + 1) % R
         first = (b // R) * BJ
@@ -82,8 +83,7 @@ def _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, p
     if REMOTE:
         quiet(EMULATE)  # delivered before this program counts itself done (the signals follow)
     if FLAGS:
-        _flag_blocks(recv_counts_ptr, peer_bases_ptr, off_ready, epoch, rank, R, N,
-                     tl.max((rows + BJ - 1) // BJ, axis=0) * R, BJ)
+        _flag_blocks(recv_counts_ptr, peer_bases_ptr, off_ready, epoch, rank, R, N, blocks, BJ)
 
 
 @triton.jit
@@ -273,17 +273,16 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
     _combine_rows(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, off_x, off_sx,
                   off_ready, epoch, rank, R, L, N, H, ranks_per_node, K, R_PAD, BJ, BLOCK_H, OUT_DTYPE, XB, REMOTE,
                   EMULATE, False, 1, Y_PAIRS, FLAGS)
-    if FLAGS:
-        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr, off_x,
-                  rank, ready_ptr, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, HAS_ADD, BT, BLOCK_HS, False,
-                  BJ, USE_TIMER, True)
+    if FLAGS:  # the sum waits per block of tokens for the blocks it adds
+        ready = True
     else:
         if last_program_done(send_counter_ptr, True):
             _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
-        if wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
-            _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr,
-                      off_x, rank, signal_ptr, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, HAS_ADD, BT,
-                      BLOCK_HS, False, 1, USE_TIMER)
+        ready = wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER)
+    if ready:
+        _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr, off_x,
+                  rank, ready_ptr, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, HAS_ADD, BT, BLOCK_HS, False,
+                  BJ, USE_TIMER, FLAGS)
     if last_program_done(recv_counter_ptr, False):
         tl.store(epochs_ptr, epoch + 1)
 
