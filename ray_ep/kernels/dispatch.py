@@ -42,7 +42,7 @@ from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPAT
                       SymmetricBuffers, Workspace, check_status)
 from .layout import (CHUNK_ROWS, assign_block, block_bases, block_tokens, chunk_start, compute_layout,
                      compute_layout_torch, count_chunks)
-from .nvfp4 import block_warps, load_blocks, quantize_nvfp4_blocks, wire_row_bytes
+from .nvfp4 import block_warps, load_block_pairs, quantize_nvfp4_blocks, wire_row_bytes
 from .quant import quantize_group, store_scales
 
 _STATUS_OVERFLOW = tl.constexpr(STATUS_OVERFLOW)
@@ -193,33 +193,42 @@ def _send_nvfp4_rows(x_row3, toks, tm, rows, oks, anys, bases, mine, off_x, off_
     """Quantise rows (x_row3 [1, BT, 1]: their first channels) to nvfp4 wire rows in steps of
     BLOCK_H channels and store them at every destination (REMOTE: and in this rank's staged
     rows). A wire row holds H / 2 packed bytes, then H / 16 block scales (see
-    :func:`ray_ep.config.nvfp4_row_bytes`); a step's tile is [blocks, rows], a whole block per
-    thread (:func:`ray_ep.kernels.nvfp4.quantize_nvfp4_blocks`). rows, oks, anys: the block's
-    :func:`_dest_table`; bases, mine: every rank's block address and this rank's."""
-    NB: tl.constexpr = BLOCK_H // _NVFP4_BLOCK
-    W = wire_row_bytes(H)
-    tm3 = tm[None, :, None]
+    :func:`ray_ep.config.nvfp4_row_bytes`); a step's tile is [block pairs, rows, 2], two
+    neighbouring blocks per thread (:func:`ray_ep.kernels.nvfp4.load_block_pairs`), so each
+    warp's stores are NVLink writes of 512 and 64 bytes where a block per thread wrote 256 and
+    32 (4x H200, prefill nvfp4 dispatch 171.2 -> 165.4 us with every SM, 258.3 -> 241.4 at 24
+    SMs). rows, oks, anys: the block's :func:`_dest_table`; bases, mine: every rank's block
+    address and this rank's."""
+    NP: tl.constexpr = BLOCK_H // (2 * _NVFP4_BLOCK)  # pairs of neighbouring blocks, a pair per thread
+    # EPConfig keeps H a multiple of 32: wire rows and their scales start 16-byte aligned, so a
+    # thread's pair leaves in one 16-byte store of packed bytes and one 2-byte store of scales
+    at_scales = tl.multiple_of(H // 2, 16)
+    n_blocks = tl.multiple_of(H // _NVFP4_BLOCK, 2)  # even: a pair's two stores share their masks
+    W = at_scales + (n_blocks + 15) // 16 * 16  # wire_row_bytes(H), its alignment in sight
+    tm4 = tm[None, :, None, None]
+    x_row4 = x_row3[:, :, :, None]
     if PREFETCH:  # as the fp8 send: the next step's channels load while this one quantises
-        lo_next, hi_next = load_blocks(x_row3, 0, H, tm3, NB)
+        lo_next, hi_next = load_block_pairs(x_row4, 0, H, tm4, NP)
     for h0 in range(0, H, BLOCK_H):
         if PREFETCH:
             lo, hi = lo_next, hi_next
-            lo_next, hi_next = load_blocks(x_row3, h0 + BLOCK_H, H, tm3, NB)
+            lo_next, hi_next = load_block_pairs(x_row4, h0 + BLOCK_H, H, tm4, NP)
         else:
-            lo, hi = load_blocks(x_row3, h0, H, tm3, NB)
-        packed, s = quantize_nvfp4_blocks(lo.to(tl.float32), hi.to(tl.float32), _NVFP4_G)
+            lo, hi = load_block_pairs(x_row4, h0, H, tm4, NP)
+        packed, s = quantize_nvfp4_blocks(lo.to(tl.float32), hi.to(tl.float32), _NVFP4_G)  # [NP, BT, 2]
         # block b of the row: its 8 packed bytes at byte 8b (one int64), its scale at H / 2 + b
-        b = h0 // _NVFP4_BLOCK + tl.arange(0, NB)[:, None]  # [NB, 1]
-        bm = b < H // _NVFP4_BLOCK
+        b = h0 // _NVFP4_BLOCK + 2 * tl.arange(0, NP)[:, None, None] + tl.arange(0, 2)[None, None, :]
+        bm = b < n_blocks
+        tm3 = tm[None, :, None]
         if REMOTE:
-            base = (at_offset(mine, off_sx, tl.uint8) + toks.to(tl.int64) * W)[None, :]
-            tl.store(base.to(tl.pointer_type(tl.int64)) + b, packed, mask=tm[None, :] & bm)
-            tl.store(base + H // 2 + b, s, mask=tm[None, :] & bm)
+            base = (at_offset(mine, off_sx, tl.uint8) + toks.to(tl.int64) * W)[None, :, None]
+            tl.store(base.to(tl.pointer_type(tl.int64)) + b, packed, mask=tm3 & bm)
+            tl.store(base + at_scales + b, s, mask=tm3 & bm)
         for d in tl.static_range(R_PAD):
             if anys[d]:
-                base = (at_offset(bases[d], off_x, tl.uint8) + rows[d] * W)[None, :]
-                tl.store(base.to(tl.pointer_type(tl.int64)) + b, packed, mask=oks[d][None, :] & bm)
-                tl.store(base + H // 2 + b, s, mask=oks[d][None, :] & bm)
+                base = (at_offset(bases[d], off_x, tl.uint8) + rows[d] * W)[None, :, None]
+                tl.store(base.to(tl.pointer_type(tl.int64)) + b, packed, mask=oks[d][None, :, None] & bm)
+                tl.store(base + at_scales + b, s, mask=oks[d][None, :, None] & bm)
 
 
 @triton.jit
@@ -524,18 +533,22 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
     """(rows, channels, warps) of a send program of ``tokens`` tokens: a step holds whole fp8
     groups, or pairs of whole nvfp4 blocks (H / 2 bytes and H / 16 scales).
 
-    An nvfp4 thread quantises whole 16-channel blocks, so a step has a block for every thread
-    and no more threads than blocks: with every SM and a full batch, one row of 2048 channels
-    at 4 warps (1024 at 4 left half the threads repeating the others' work); decode keeps its
-    2048 channels, at 4 warps; a budget's 8 rows x 2048 fill its 32 warps. 2x H200, prefill
-    nvfp4 at every SM: 99.2 us with blocks split over two threads, 90.0 at 1024 channels and
-    2 warps, 83.9 at 2048 and 4 warps (fp8: 119.7); decode from CUDA graphs 20.7 -> 19.9."""
+    An nvfp4 thread quantises a pair of whole 16-channel blocks, so a step has a pair for every
+    thread and no more threads than pairs. 4x H200, prefill nvfp4 (us, every SM / 24 SMs): a
+    block per thread, 2048 channels at 4 warps and 8 rows x 2048 at 32 warps, 171.2 / 258.3;
+    pairs at 4096 channels and 4 warps, 8 x 4096 at 32 warps, 166.9 / 264.1; pairs at 2048
+    and 2 warps, 8 x 2048 at 16 warps, **165.4 / 241.4**; 1024 at 1 warp 167.7. Decode keeps
+    4096 channels at 4 warps (from CUDA graphs 21.7 us against 21.5 a block per thread;
+    2048 at 2 warps 25.0).
+    """
     multiple = {"fp8": FP8_GROUP, "nvfp4": 32}.get(cfg.dispatch_dtype, 8)
     rows, step, warps = comm_tile(cfg.hidden_size, device, budget, "dispatch", multiple=multiple, tokens=tokens)
     if cfg.dispatch_dtype == "nvfp4" and not interpreted():
-        if not budget and not small_batch(tokens, device):  # a block for every thread of COMM_WARPS warps
-            step = max(step, min(COMM_WARPS * 32 * NVFP4_BLOCK, triton.next_power_of_2(cfg.hidden_size)))
-        warps = block_warps(rows, step, warps)
+        # 2048 channels a step with every SM or under a budget; a token per SM or fewer (decode)
+        # takes 4096, the row in fewer steps
+        pairs = COMM_WARPS * 32 * (2 if small_batch(tokens, device) and not budget else 1) * NVFP4_BLOCK
+        step = max(step, min(pairs, triton.next_power_of_2(cfg.hidden_size)))
+        warps = block_warps(rows, step, warps, blocks_per_thread=2)
     return rows, step, warps
 
 

@@ -60,30 +60,30 @@ def _mul_rn(a, b):
 
 @triton.jit
 def _pack_half(x, inv):
-    """[A, B, 8] fp32 channels (half of each of A x B blocks) and the blocks' 1 / d [A, B] ->
-    int32 [A, B]: channel j's sign-and-code nibble at bits 4j (little-endian bytes: channel
+    """[..., 8] fp32 channels (half of each of a tile's blocks) and the blocks' 1 / d [...] ->
+    int32 [...]: channel j's sign-and-code nibble at bits 4j (little-endian bytes: channel
     2i in the low nibble of byte i)."""
     # x's sign bit at bit 3: its bits' top nibble, as the high word of bits * 16 (a multiply:
     # the send is bound by its integer and compare instructions, a shift would be one more)
     sign = tl.umulhi(x.to(tl.uint32, bitcast=True), 16).to(tl.int32, bitcast=True) & 8
-    code = e2m1_codes(_mul_rn(tl.abs(x), inv[:, :, None])) | sign
+    code = e2m1_codes(_mul_rn(tl.abs(x), tl.expand_dims(inv, -1))) | sign
     shift = 4 * tl.arange(0, 8)
-    return tl.sum(code << shift[None, None, :], axis=2)  # disjoint bits: the sum is their or
+    return tl.sum(code << shift, axis=-1)  # disjoint bits: the sum is their or
 
 
 @triton.jit
 def quantize_nvfp4_blocks(lo, hi, g):
-    """Quantise nvfp4 blocks given as halves: lo, hi [A, B, 8] fp32 are channels 0-7 and 8-15
-    of A x B blocks (the tiles of :func:`load_blocks`: [NB, ROWS]), with per-tensor scale g. A
+    """Quantise nvfp4 blocks given as halves: lo, hi [..., 8] fp32 are channels 0-7 and 8-15
+    of a tile's blocks (those of :func:`load_blocks`: [NB, ROWS]), with per-tensor scale g. A
     block's 16 channels are then one thread's (a tile of whole blocks would spread them over
     two threads: a shuffle for each amax, each scale worked out twice, and packed bytes moved
     between threads to be stored).
 
-    Returns (int64 [A, B]: each block's 8 packed bytes, little-endian; block scales as e4m3
-    bits uint8 [A, B]). Example (g = 1): a block with amax 3.0 gets scale 0.5 (bits 0x30); 1.3
+    Returns (int64 [...]: each block's 8 packed bytes, little-endian; block scales as e4m3
+    bits uint8 [...]). Example (g = 1): a block with amax 3.0 gets scale 0.5 (bits 0x30); 1.3
     in it is 2.6 -> code 5 (3.0); -0.2 is 0.4 -> code 0x9 (-0.5).
     """
-    amax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
+    amax = tl.maximum(tl.max(tl.abs(lo), axis=-1), tl.max(tl.abs(hi), axis=-1))
     six_g = tl.full(amax.shape, _E2M1_MAX, tl.float32) * g
     s8 = to_e4m3(tl.minimum(tl.math.div_rn(amax, six_g), _FP8_MAX))  # >= 0
     d = s8.to(tl.float32) * g
@@ -106,10 +106,23 @@ def load_blocks(x_row3, h0, H, rm3, NB: tl.constexpr):
     return tl.load(x_row3 + c, mask=m, other=0.0), tl.load(x_row3 + c + 8, mask=m, other=0.0)
 
 
-def block_warps(rows: int, channels: int, most: int) -> int:
-    """Warps (at most ``most``) for a [rows, channels] tile quantised a whole block per thread
-    (:func:`quantize_nvfp4_blocks`): no more threads than blocks, or some repeat others' work."""
-    return max(1, min(most, rows * channels // (32 * NVFP4_BLOCK)))
+@triton.jit
+def load_block_pairs(x_row4, h0, H, rm4, NP: tl.constexpr):
+    """As :func:`load_blocks` for NP pairs of neighbouring blocks: [NP, ROWS, 2, 8] tiles from
+    the rows x_row4 [1, ROWS, 1, 1] (rm4 alike). The pair's axis is neither the contiguous one
+    nor the first, so a thread holds both blocks of its pair: their packed bytes and scales
+    leave in one store each, twice as wide as a block's."""
+    c = (h0 + 32 * tl.arange(0, NP)[:, None, None, None] + 16 * tl.arange(0, 2)[None, None, :, None]
+         + tl.arange(0, 8)[None, None, None, :])
+    m = rm4 & (c < H)
+    return tl.load(x_row4 + c, mask=m, other=0.0), tl.load(x_row4 + c + 8, mask=m, other=0.0)
+
+
+def block_warps(rows: int, channels: int, most: int, blocks_per_thread: int = 1) -> int:
+    """Warps (at most ``most``) for a [rows, channels] tile quantised ``blocks_per_thread``
+    whole blocks per thread (:func:`quantize_nvfp4_blocks`): no more threads than that needs,
+    or some repeat others' work."""
+    return max(1, min(most, rows * channels // (32 * NVFP4_BLOCK * blocks_per_thread)))
 
 
 @triton.jit
