@@ -31,7 +31,7 @@ from ..types import DispatchHandle
 from ..validation import check_tensor
 from ._shmem import other_node, put_bytes, quiet, signal, staged
 from ._sync import at_offset, last_program_done, peer_bases, peer_ptr, release_signals, wait_blocks, wait_signals
-from ._util import comm_tile, interpreted, launch, num_sms as sm_count, remote_meta, side_stream, timeouts
+from ._util import comm_tile, interpreted, launch, num_sms as sm_count, remote_meta, side_stream, small_batch, timeouts
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 from .pairs import join_pairs, pair_ptr, unpack_pairs
@@ -422,13 +422,18 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
                   num_sms: int | None = None, check: bool = True) -> torch.Tensor:
     """Send partial rows and sum the arrivals in one launch (GPU; all ranks at once).
     Arguments as :func:`combine_send` and :func:`combine_recv`. combine_mode "pull" runs the
-    two halves, see :func:`_pull_combine`."""
+    two halves, see :func:`_pull_combine`; so does a batch of more tokens than SMs under an SM
+    budget (faster there, see :func:`ray_ep.kernels.dispatch.dispatch_fused`)."""
     if cfg.combine_mode == "pull":
         return _pull_combine(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype,
                              add_TH=add_TH, num_sms=num_sms, check=check)
+    budget = num_sms or cfg.num_sms
+    if budget and not small_batch(handle.num_tokens, bufs.device):  # two launches: faster, see dispatch_fused
+        combine_send(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, num_sms=budget)
+        return combine_recv(cfg=cfg, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype, add_TH=add_TH,
+                            num_sms=budget, check=check)
     _check_y(cfg, y_MH, bufs.device)
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
-    budget = num_sms or cfg.num_sms
     rows, send_tile, sum_tile, warps = _tile(cfg, bufs, budget, handle.num_tokens)
     send_args, send_meta = _send_named(cfg, y_MH, handle, bufs, ws, rows, budget)
     recv_args, recv_meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)

@@ -706,9 +706,22 @@ def dispatch_fused(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tens
                    bufs: SymmetricBuffers, ws: Workspace, out: RecvLayout | None = None, num_sms: int | None = None,
                    check: bool = True, layout: DispatchLayout | None = None) -> DispatchHandle:
     """Send and receive in one launch (GPU; every rank must launch it at once). Arguments as
-    :func:`dispatch_send` and :func:`dispatch_recv`."""
-    check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, bufs.device)
+    :func:`dispatch_send` and :func:`dispatch_recv`.
+
+    Under an SM budget a batch of more tokens than SMs runs as those two launches instead, and
+    so does :func:`ray_ep.kernels.combine.combine_fused`: one launch was the slower there. 4x
+    H200, prefill 4096 tokens, same call, one launch -> two, us at 24 / 16 SMs: dispatch bf16
+    577.1 / 587.5 -> 572.7 / 581.7, fp8 341.6 / 390.8 -> 332.0 / 377.4, nvfp4 241.7 / 338.3 ->
+    235.0 / 327.3; combine 943.8 / 1367.4 -> 923.4 / 1321.1. (Not the fused combine's register
+    spills: its sum at 2048 channels, none, ran as fast as at 4096.) With every SM two launches
+    gain nothing (fp8 268.5 us) and the combine would lose its per-block flags (554.5 -> 538)."""
     budget = num_sms or cfg.num_sms
+    if budget and not small_batch(x_TH.shape[0], bufs.device):
+        layout = dispatch_send(cfg=cfg, x_TH=x_TH, topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK,
+                               bufs=bufs, ws=ws, layout=layout, num_sms=budget)
+        return dispatch_recv(cfg=cfg, layout=layout, bufs=bufs, ws=ws, num_tokens=x_TH.shape[0], out=out,
+                             num_sms=budget, check=check)
+    check_send_inputs(cfg, x_TH, topk_ids_TK, topk_weights_TK, bufs.device)
     layout, how, bases, chunk = _layout_for_send(cfg, topk_ids_TK, layout, budget)
     recv = out if out is not None else RecvLayout.allocate(cfg, bufs.device)
     send_args, send_meta, warps = _send_named(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, chunk,
