@@ -543,6 +543,30 @@ def test_launches_report_programs_and_sms(mode):
             assert (programs == left) if device == "cpu" else (1 < programs <= left), got
 
 
+@pytest.mark.parametrize("dispatch", ["bf16", "fp8", "nvfp4"])
+def test_fused_calls_under_a_budget_launch_their_two_halves(monkeypatch, dispatch):
+    # under an SM budget a batch of more tokens than SMs runs as the split form's send and
+    # receive launches (faster there on GPUs); a batch of at most a token per SM, or any batch
+    # without a budget, keeps the one fused launch. Launches are recorded, not run.
+    seen = []
+    for mod in (D, C):
+        monkeypatch.setattr(mod, "launch", lambda kernel, **kw: seen.append(kernel.fn.__name__))
+    sms = num_sms("cpu")
+    for budget, T, kernels in [(2, sms, ["fused"]), (2, sms + 1, ["send", "recv"]), (None, sms + 1, ["fused"])]:
+        cfg = make_cfg(2, dispatch, max_tokens_per_rank=32, num_sms=budget)
+        world = LocalWorld.create(cfg, device="cpu")
+        bufs, ws = world.bufs[0], world.workspaces[0]
+        x = torch.zeros(T, cfg.hidden_size, dtype=torch.bfloat16)
+        ids = torch.zeros(T, cfg.top_k, dtype=torch.int32)
+        seen.clear()
+        handle = D.dispatch_fused(cfg=cfg, x_TH=x, topk_ids_TK=ids, topk_weights_TK=torch.zeros(T, cfg.top_k),
+                                  bufs=bufs, ws=ws, check=False)
+        y = torch.zeros(cfg.max_recv_rows, cfg.hidden_size, dtype=torch.bfloat16)
+        out = C.combine_fused(cfg=cfg, y_MH=y, handle=handle, bufs=bufs, ws=ws, check=False)
+        assert out.shape == (T, cfg.hidden_size)
+        assert seen == [f"_{op}_{k}_kernel" for op in ("dispatch", "combine") for k in kernels], (budget, T)
+
+
 def test_pull_combine_needs_one_node():
     with pytest.raises(ValueError, match="combine_mode 'pull'.*one node.*n_nodes = 2"):
         make_cfg(4, nodes=2, combine_mode="pull")
