@@ -204,7 +204,10 @@ def _send_nvfp4_rows(x_row3, toks, tm, rows, oks, anys, bases, mine, off_x, off_
     # thread's pair leaves in one 16-byte store of packed bytes and one 2-byte store of scales
     at_scales = tl.multiple_of(H // 2, 16)
     n_blocks = tl.multiple_of(H // _NVFP4_BLOCK, 2)  # even: a pair's two stores share their masks
-    W = at_scales + (n_blocks + 15) // 16 * 16  # wire_row_bytes(H), its alignment in sight
+    # wire_row_bytes(H) written out: hinting that call's result (tl.multiple_of(..., 16)) left
+    # the scales' stores going through shared memory, two barriers a step (sm_90)
+    W = at_scales + (n_blocks + 15) // 16 * 16
+    tm3 = tm[None, :, None]
     tm4 = tm[None, :, None, None]
     x_row4 = x_row3[:, :, :, None]
     if PREFETCH:  # as the fp8 send: the next step's channels load while this one quantises
@@ -219,7 +222,6 @@ def _send_nvfp4_rows(x_row3, toks, tm, rows, oks, anys, bases, mine, off_x, off_
         # block b of the row: its 8 packed bytes at byte 8b (one int64), its scale at H / 2 + b
         b = h0 // _NVFP4_BLOCK + 2 * tl.arange(0, NP)[:, None, None] + tl.arange(0, 2)[None, None, :]
         bm = b < n_blocks
-        tm3 = tm[None, :, None]
         if REMOTE:
             base = (at_offset(mine, off_sx, tl.uint8) + toks.to(tl.int64) * W)[None, :, None]
             tl.store(base.to(tl.pointer_type(tl.int64)) + b, packed, mask=tm3 & bm)
@@ -546,8 +548,8 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
     if cfg.dispatch_dtype == "nvfp4" and not interpreted():
         # 2048 channels a step with every SM or under a budget; a token per SM or fewer (decode)
         # takes 4096, the row in fewer steps
-        pairs = COMM_WARPS * 32 * (2 if small_batch(tokens, device) and not budget else 1) * NVFP4_BLOCK
-        step = max(step, min(pairs, triton.next_power_of_2(cfg.hidden_size)))
+        channels = COMM_WARPS * 32 * (2 if small_batch(tokens, device) and not budget else 1) * NVFP4_BLOCK
+        step = max(step, min(channels, triton.next_power_of_2(cfg.hidden_size)))
         warps = block_warps(rows, step, warps, blocks_per_thread=2)
     return rows, step, warps
 
