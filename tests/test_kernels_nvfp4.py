@@ -174,6 +174,30 @@ def test_scale_range():
     assert v[48:64].abs().max().item() == 6.0  # amax / s = 8.4 saturates
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_every_scale_and_its_midpoints(dtype):
+    # A GPU divides without div.rn's range check (block_scales): check both divisions where a
+    # last-bit error would show. Each block leads with an amax: every finite nonzero bf16
+    # magnitude, and in fp32 also 6 times each midpoint between neighbouring e4m3 scales and
+    # the fp32 values either side (amax / 6 exactly on the tie, or one ulp off it). The other
+    # channels are the e2m1 midpoints times the block's d, both signs: x * (1 / d) lands on a
+    # midpoint only if 1 / d is the correctly rounded reciprocal.
+    amax = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    if dtype == torch.float32:
+        e4m3 = torch.arange(0, 0x7F, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+        six_mid = 6 * (e4m3[:-1] + e4m3[1:]) / 2
+        amax = torch.cat([amax, six_mid, torch.nextafter(six_mid, torch.zeros(1)),
+                          torch.nextafter(six_mid, torch.full((1,), 1e4))])
+    d = torch.clamp(amax / torch.full_like(amax, 6.0), max=448.0).to(torch.float8_e4m3fn).float()
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    blocks = torch.cat([amax[:, None], mids * d[:, None], -mids * d[:, None], torch.zeros(len(amax), 1)], dim=1)
+    blocks[1::2] *= -1
+    H = 4096
+    x = torch.cat([blocks, torch.zeros(-len(blocks) % (H // 16), 16)]).reshape(-1, H)
+    assert torch.equal(x.to(dtype).float(), x), "every value must be exact in the input dtype"
+    check_quant(x.to(dtype).to(device))
+
+
 def test_zero_blocks():
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
     x[0] = 0.0  # a whole row
@@ -186,12 +210,14 @@ def test_zero_blocks():
     assert bool((q.cpu()[0] == 0).all()) and bool((q.cpu()[1, 8:16] == 0x88).all())
 
 
-@pytest.mark.parametrize("layout", ["row-slice", "every-other-row"])
+@pytest.mark.parametrize("layout", ["row-slice", "every-other-row", "odd-stride"])
 def test_strided_rows(layout):
     gen = torch.Generator().manual_seed(7)
     H = 96
     if layout == "row-slice":  # rows of a wider tensor: row stride H + 64
         x = torch.randn(9, H + 64, generator=gen).to(torch.bfloat16).to(device)[:, 32:32 + H]
+    elif layout == "odd-stride":  # bf16 rows at odd channels (not read as words: they would fault)
+        x = torch.randn(9, H + 3, generator=gen).to(torch.bfloat16).to(device)[:, 1:1 + H]
     else:
         x = torch.randn(18, H, generator=gen).to(torch.bfloat16).to(device)[::2]
     assert not x.is_contiguous() and x.stride(1) == 1

@@ -42,13 +42,20 @@ from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPAT
                       SymmetricBuffers, Workspace, check_status)
 from .layout import (CHUNK_ROWS, assign_block, block_bases, block_tokens, chunk_start, compute_layout,
                      compute_layout_torch, count_chunks)
-from .nvfp4 import block_warps, load_block_pairs, quantize_nvfp4_blocks, wire_row_bytes
+from .nvfp4 import (block_warps, load_block_pair_words, load_block_pairs, quantize_nvfp4_blocks,
+                    quantize_nvfp4_words, reads_words, wire_row_bytes)
 from .quant import quantize_group, store_scales
 
 _STATUS_OVERFLOW = tl.constexpr(STATUS_OVERFLOW)
 _FP8_GROUP = tl.constexpr(FP8_GROUP)
 _NVFP4_G = tl.constexpr(NVFP4_GLOBAL_SCALE)
 _NVFP4_BLOCK = tl.constexpr(NVFP4_BLOCK)
+# The send's NVFP4 constexpr: 0 another wire format; NVFP4_ELEMENTS quantises rows loaded as
+# they are; NVFP4_WORDS reads bf16 rows as int32 words of two channels, where a shift or a mask
+# makes each an fp32 (a bf16 conversion takes two instructions; 2x H200, prefill nvfp4 at 24 /
+# 16 SMs 220.3 / 307.4 -> 195.4 / 271.5 us with the ops of kernels.nvfp4.block_scales): for rows
+# that start 4-byte aligned (kernels.nvfp4.reads_words), else the word loads would fault
+NVFP4_ELEMENTS, NVFP4_WORDS = tl.constexpr(1), tl.constexpr(2)
 # where the send's slots and ordinals come from (see _own_layout)
 LAYOUT_GIVEN = tl.constexpr(0)  # the caller's DispatchLayout
 LAYOUT_SCANNED = tl.constexpr(1)  # the send scans every earlier token (small batches)
@@ -188,8 +195,18 @@ def _dest_table(slots_ptr, toks, tm, N, rank, R, ranks_per_node, R_PAD: tl.const
 
 
 @triton.jit
+def _load_nvfp4_step(x_row4, h0, H, tm4, NP: tl.constexpr, WORDS: tl.constexpr):
+    """A step's block pairs (:func:`ray_ep.kernels.nvfp4.load_block_pairs`, or its words)."""
+    if WORDS:
+        lo, hi = load_block_pair_words(x_row4, h0, H, tm4, NP)
+    else:
+        lo, hi = load_block_pairs(x_row4, h0, H, tm4, NP)
+    return lo, hi
+
+
+@triton.jit
 def _send_nvfp4_rows(x_row3, toks, tm, rows, oks, anys, bases, mine, off_x, off_sx, H, R_PAD: tl.constexpr,
-                     BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, PREFETCH: tl.constexpr):
+                     BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, PREFETCH: tl.constexpr, WORDS: tl.constexpr):
     """Quantise rows (x_row3 [1, BT, 1]: their first channels) to nvfp4 wire rows in steps of
     BLOCK_H channels and store them at every destination (REMOTE: and in this rank's staged
     rows). A wire row holds H / 2 packed bytes, then H / 16 block scales (see
@@ -209,16 +226,22 @@ def _send_nvfp4_rows(x_row3, toks, tm, rows, oks, anys, bases, mine, off_x, off_
     W = at_scales + (n_blocks + 15) // 16 * 16
     tm3 = tm[None, :, None]
     tm4 = tm[None, :, None, None]
-    x_row4 = x_row3[:, :, :, None]
+    if WORDS:  # bf16 rows read as int32 words of two channels (see NVFP4_WORDS)
+        x_row4 = x_row3.to(tl.pointer_type(tl.int32))[:, :, :, None]
+    else:
+        x_row4 = x_row3[:, :, :, None]
     if PREFETCH:  # as the fp8 send: the next step's channels load while this one quantises
-        lo_next, hi_next = load_block_pairs(x_row4, 0, H, tm4, NP)
+        lo_next, hi_next = _load_nvfp4_step(x_row4, 0, H, tm4, NP, WORDS)
     for h0 in range(0, H, BLOCK_H):
         if PREFETCH:
             lo, hi = lo_next, hi_next
-            lo_next, hi_next = load_block_pairs(x_row4, h0 + BLOCK_H, H, tm4, NP)
+            lo_next, hi_next = _load_nvfp4_step(x_row4, h0 + BLOCK_H, H, tm4, NP, WORDS)
         else:
-            lo, hi = load_block_pairs(x_row4, h0, H, tm4, NP)
-        packed, s = quantize_nvfp4_blocks(lo.to(tl.float32), hi.to(tl.float32), _NVFP4_G)  # [NP, BT, 2]
+            lo, hi = _load_nvfp4_step(x_row4, h0, H, tm4, NP, WORDS)
+        if WORDS:
+            packed, s = quantize_nvfp4_words(lo, hi, _NVFP4_G, True)  # [NP, BT, 2]
+        else:
+            packed, s = quantize_nvfp4_blocks(lo.to(tl.float32), hi.to(tl.float32), _NVFP4_G, True)
         # block b of the row: its 8 packed bytes at byte 8b (one int64), its scale at H / 2 + b
         b = h0 // _NVFP4_BLOCK + 2 * tl.arange(0, NP)[:, None, None] + tl.arange(0, 2)[None, None, :]
         bm = b < n_blocks
@@ -268,7 +291,7 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
             tl.store(meta + 2 * K, wbits, mask=mm)
     if NVFP4:
         _send_nvfp4_rows(x_ptr + toks[None, :, None].to(tl.int64) * stride_x, toks, tm, rows, oks, anys, bases, mine,
-                         off_x, off_sx, H, R_PAD, BLOCK_H, REMOTE, PREFETCH)
+                         off_x, off_sx, H, R_PAD, BLOCK_H, REMOTE, PREFETCH, NVFP4 == NVFP4_WORDS)
     else:
         x_row = x_ptr + toks[:, None].to(tl.int64) * stride_x
         if PREFETCH:
@@ -626,11 +649,17 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
     # 2x H200, prefill at 24 / 16 SMs: fp8 308 -> 287 / 428 -> 396 us, nvfp4 399 -> 387 /
     # 561 -> 544; every SM: fp8 130 -> 125, nvfp4 132 -> 117; decode fp8 27.0 -> 25.3, nvfp4
     # 26.2 -> 24.5. bf16 (nothing to overlap) at 24 / 16 SMs: 248 -> 261 / 224 -> 241, so not bf16
-    meta = dict(FP8=cfg.dispatch_dtype == "fp8", NVFP4=cfg.dispatch_dtype == "nvfp4", BT=bt, BLOCK_H=bh,
+    meta = dict(FP8=cfg.dispatch_dtype == "fp8", NVFP4=_nvfp4_mode(cfg, x_TH), BT=bt, BLOCK_H=bh,
                 OWN_LAYOUT=int(how), CH=64 if interpreted() else SCAN_CHUNK.get(int(how), 32), SB=block_tokens(),
                 BRANCHLESS=bt > 1, PREFETCH=cfg.dispatch_dtype != "bf16", C_PAD=triton.next_power_of_2(R * L + R),
                 **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
+
+
+def _nvfp4_mode(cfg: EPConfig, x_TH: torch.Tensor) -> int:
+    if cfg.dispatch_dtype != "nvfp4":
+        return 0
+    return (NVFP4_WORDS if reads_words(x_TH) else NVFP4_ELEMENTS).value
 
 
 def _send_work(T: int, rows: int, chunks: int) -> int:
