@@ -1042,6 +1042,27 @@ def test_tiles_under_an_sm_budget(monkeypatch, R, sum_channels):
     assert _util.comm_tile(256, cpu, 24, "combine", channels=4096) == (8, 256, 32)
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_quantising_sends_take_steps_that_divide_h(monkeypatch, dtype):
+    # a thread pays for its step's channels past H too: deepseek-v3's 7168 channels are 3.5
+    # steps of 2048, so a quantising send under a budget halves its step and doubles its rows
+    # (the same threads), and so does nvfp4's with every SM; decode keeps its wide steps
+    from ray_ep.kernels import _util
+
+    monkeypatch.setattr(_util, "interpreted", lambda: False)
+    monkeypatch.setattr(D, "interpreted", lambda: False)
+    cfg = EPConfig.preset("deepseek-v3", gpus_per_node=4, dispatch_dtype=dtype, max_tokens_per_rank=4096)
+    cpu = torch.device("cpu")  # a GPU of 4 SMs, as above
+    budget_tile = {"fp8": (16, 1024, 32), "nvfp4": (16, 1024, 16)}[dtype]
+    assert D._send_tile(cfg, cpu, 24, 4096) == D._send_tile(cfg, cpu, 16) == budget_tile
+    assert D._send_tile(cfg, cpu, None, 4096) == {"fp8": (1, 1024, 4), "nvfp4": (2, 1024, 2)}[dtype]
+    assert D._send_tile(cfg, cpu, None, 4) == {"fp8": (1, 2048, 8), "nvfp4": (1, 4096, 4)}[dtype]
+    # a hidden size that a wide step divides keeps it; bf16 keeps its tile
+    wide = cfg.model_copy(update={"hidden_size": 4096})
+    assert D._send_tile(wide, cpu, 24, 4096) == {"fp8": (8, 2048, 32), "nvfp4": (8, 2048, 16)}[dtype]
+    assert D._send_tile(cfg.model_copy(update={"dispatch_dtype": "bf16"}), cpu, 24, 4096) == (8, 2048, 32)
+
+
 @triton.jit
 def _pairs_round_trip_kernel(x_ptr, out_ptr, H, BP: tl.constexpr):
     pairs = tl.arange(0, BP)[None, :]
