@@ -767,9 +767,10 @@ def test_masked_and_out_of_range_ids():
     run_round(cfg, sims_for(cfg), make_round(cfg, [9, 8], seed=15, mask=0.3, out_of_range=0.2))
 
 
-@pytest.mark.parametrize("dispatch", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("dispatch", ["bf16", "fp8", "nvfp4"])
 def test_non_contiguous_inputs(dispatch):
-    # x, topk_ids and topk_weights are rows of wider tensors; add_TH too
+    # x, topk_ids and topk_weights are rows of wider tensors; add_TH too (x's rows start at odd
+    # channels, so a quantising send reads them as elements, not words: READ_ELEMENTS)
     cfg = make_cfg(2, dispatch, "bf16")
     sims = sims_for(cfg)
     inp = make_round(cfg, [6, 9], seed=16, strided=True)

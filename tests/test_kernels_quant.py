@@ -172,12 +172,14 @@ def test_zero_groups():
 
 
 @pytest.mark.parametrize("H", [384, 640], ids=lambda h: f"H{h}")
-@pytest.mark.parametrize("layout", ["row-slice", "every-other-row"])
+@pytest.mark.parametrize("layout", ["row-slice", "every-other-row", "odd-stride"])
 def test_strided_rows(layout, H):
     gen = torch.Generator().manual_seed(H)
     if layout == "row-slice":  # rows of a wider tensor: row stride H + 256
         wide = torch.randn(9, H + 256, generator=gen).to(torch.bfloat16).to(device)
         x = wide[:, 128:128 + H]
+    elif layout == "odd-stride":  # bf16 rows at odd channels: not read as words (they would fault)
+        x = torch.randn(9, H + 3, generator=gen).to(torch.bfloat16).to(device)[:, 1:1 + H]
     else:  # every other row of a taller tensor: row stride 2H
         x = torch.randn(18, H, generator=gen).to(torch.bfloat16).to(device)[::2]
     assert not x.is_contiguous() and x.stride(1) == 1

@@ -43,19 +43,20 @@ from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPAT
 from .layout import (CHUNK_ROWS, assign_block, block_bases, block_tokens, chunk_start, compute_layout,
                      compute_layout_torch, count_chunks)
 from .nvfp4 import (block_warps, load_block_pair_words, load_block_pairs, quantize_nvfp4_blocks,
-                    quantize_nvfp4_words, reads_words, wire_row_bytes)
-from .quant import quantize_group, store_scales
+                    quantize_nvfp4_words, wire_row_bytes)
+from .quant import quantize_group, quantize_group_words, reads_words, store_scales
 
 _STATUS_OVERFLOW = tl.constexpr(STATUS_OVERFLOW)
 _FP8_GROUP = tl.constexpr(FP8_GROUP)
 _NVFP4_G = tl.constexpr(NVFP4_GLOBAL_SCALE)
 _NVFP4_BLOCK = tl.constexpr(NVFP4_BLOCK)
-# The send's NVFP4 constexpr: 0 another wire format; NVFP4_ELEMENTS quantises rows loaded as
-# they are; NVFP4_WORDS reads bf16 rows as int32 words of two channels, where a shift or a mask
-# makes each an fp32 (a bf16 conversion takes two instructions; 2x H200, prefill nvfp4 at 24 /
-# 16 SMs 220.3 / 307.4 -> 195.4 / 271.5 us with the ops of kernels.nvfp4.block_scales): for rows
-# that start 4-byte aligned (kernels.nvfp4.reads_words), else the word loads would fault
-NVFP4_ELEMENTS, NVFP4_WORDS = tl.constexpr(1), tl.constexpr(2)
+# The send's FP8 and NVFP4 constexprs: 0 another wire format; READ_ELEMENTS quantises rows
+# loaded as they are; READ_WORDS reads bf16 rows as int32 words of two channels, where a shift
+# or a mask makes each an fp32 (a bf16 conversion takes two instructions; 2x H200, prefill at
+# 24 / 16 SMs: nvfp4 220.3 / 307.4 -> 195.4 / 271.5 us with the ops of kernels.nvfp4.block_scales,
+# fp8 176.2 / 237.2 -> 171.3 / 230.8; unchanged with every SM and for decode): for rows that
+# start 4-byte aligned (kernels.quant.reads_words), else the word loads would fault
+READ_ELEMENTS, READ_WORDS = tl.constexpr(1), tl.constexpr(2)
 # where the send's slots and ordinals come from (see _own_layout)
 LAYOUT_GIVEN = tl.constexpr(0)  # the caller's DispatchLayout
 LAYOUT_SCANNED = tl.constexpr(1)  # the send scans every earlier token (small batches)
@@ -226,7 +227,7 @@ def _send_nvfp4_rows(x_row3, toks, tm, rows, oks, anys, bases, mine, off_x, off_
     W = at_scales + (n_blocks + 15) // 16 * 16
     tm3 = tm[None, :, None]
     tm4 = tm[None, :, None, None]
-    if WORDS:  # bf16 rows read as int32 words of two channels (see NVFP4_WORDS)
+    if WORDS:  # bf16 rows read as int32 words of two channels (see READ_WORDS)
         x_row4 = x_row3.to(tl.pointer_type(tl.int32))[:, :, :, None]
     else:
         x_row4 = x_row3[:, :, :, None]
@@ -254,6 +255,43 @@ def _send_nvfp4_rows(x_row3, toks, tm, rows, oks, anys, bases, mine, off_x, off_
                 base = (at_offset(bases[d], off_x, tl.uint8) + rows[d] * W)[None, :, None]
                 tl.store(base.to(tl.pointer_type(tl.int64)) + b, packed, mask=oks[d][None, :, None] & bm)
                 tl.store(base + at_scales + b, s, mask=oks[d][None, :, None] & bm)
+
+
+@triton.jit
+def _send_fp8_words(x_row, toks, tm, rows, oks, anys, bases, mine, off_x, off_scales, off_sx, off_ss, H,
+                    R_PAD: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, PREFETCH: tl.constexpr,
+                    ALONE: tl.constexpr):
+    """The fp8 steps of :func:`_send_block` for bf16 rows read as int32 words (READ_WORDS;
+    x_row [BT, 1]: the rows' first channels): each word's two e4m3 codes leave as one int16."""
+    SG: tl.constexpr = BLOCK_H // _FP8_GROUP
+    w_row = x_row.to(tl.pointer_type(tl.int32))
+    c0 = tl.arange(0, BLOCK_H // 2)
+    if PREFETCH:  # as the element path: the next step's words load while this one quantises
+        w_next = tl.load(w_row + c0[None, :], mask=tm[:, None] & (c0[None, :] < H // 2), other=0)
+    for h0 in range(0, H, BLOCK_H):
+        wc = h0 // 2 + c0
+        wm = wc < H // 2
+        if PREFETCH:
+            w = w_next
+            w_next = tl.load(w_row + BLOCK_H // 2 + wc[None, :], mask=tm[:, None] & (wc[None, :] + BLOCK_H // 2 < H // 2),
+                             other=0)
+        else:
+            w = tl.load(w_row + wc[None, :], mask=tm[:, None] & wm[None, :], other=0)
+        q, s = quantize_group_words(w, SG)
+        g = h0 // _FP8_GROUP + tl.arange(0, SG)
+        gm = g[None, :] < H // _FP8_GROUP
+        if REMOTE:
+            px = at_offset(mine, off_sx, tl.int16)
+            tl.store(px + toks[:, None].to(tl.int64) * (H // 2) + wc[None, :], q, mask=tm[:, None] & wm[None, :])
+            ps = at_offset(mine, off_ss, tl.float32)
+            store_scales(ps + toks[:, None].to(tl.int64) * (H // _FP8_GROUP) + g[None, :], s, tm[:, None] & gm, ALONE)
+        for d in tl.static_range(R_PAD):
+            if anys[d]:
+                to = rows[d][:, None]
+                px = at_offset(bases[d], off_x, tl.int16)
+                tl.store(px + to * (H // 2) + wc[None, :], q, mask=oks[d][:, None] & wm[None, :])
+                ps = at_offset(bases[d], off_scales, tl.float32)
+                store_scales(ps + to * (H // _FP8_GROUP) + g[None, :], s, oks[d][:, None] & gm, ALONE)
 
 
 @triton.jit
@@ -291,7 +329,10 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
             tl.store(meta + 2 * K, wbits, mask=mm)
     if NVFP4:
         _send_nvfp4_rows(x_ptr + toks[None, :, None].to(tl.int64) * stride_x, toks, tm, rows, oks, anys, bases, mine,
-                         off_x, off_sx, H, R_PAD, BLOCK_H, REMOTE, PREFETCH, NVFP4 == NVFP4_WORDS)
+                         off_x, off_sx, H, R_PAD, BLOCK_H, REMOTE, PREFETCH, NVFP4 == READ_WORDS)
+    elif FP8 == READ_WORDS:
+        _send_fp8_words(x_ptr + toks[:, None].to(tl.int64) * stride_x, toks, tm, rows, oks, anys, bases, mine, off_x,
+                        off_scales, off_sx, off_ss, H, R_PAD, BLOCK_H, REMOTE, PREFETCH, ALONE)
     else:
         x_row = x_ptr + toks[:, None].to(tl.int64) * stride_x
         if PREFETCH:
@@ -672,17 +713,18 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
     # 2x H200, prefill at 24 / 16 SMs: fp8 308 -> 287 / 428 -> 396 us, nvfp4 399 -> 387 /
     # 561 -> 544; every SM: fp8 130 -> 125, nvfp4 132 -> 117; decode fp8 27.0 -> 25.3, nvfp4
     # 26.2 -> 24.5. bf16 (nothing to overlap) at 24 / 16 SMs: 248 -> 261 / 224 -> 241, so not bf16
-    meta = dict(FP8=cfg.dispatch_dtype == "fp8", NVFP4=_nvfp4_mode(cfg, x_TH), BT=bt, BLOCK_H=bh,
+    meta = dict(FP8=_read_mode(cfg, x_TH, "fp8"), NVFP4=_read_mode(cfg, x_TH, "nvfp4"), BT=bt, BLOCK_H=bh,
                 OWN_LAYOUT=int(how), CH=64 if interpreted() else SCAN_CHUNK.get(int(how), 32), SB=block_tokens(),
                 BRANCHLESS=bt > 1, PREFETCH=cfg.dispatch_dtype != "bf16", C_PAD=triton.next_power_of_2(R * L + R),
                 **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
 
 
-def _nvfp4_mode(cfg: EPConfig, x_TH: torch.Tensor) -> int:
-    if cfg.dispatch_dtype != "nvfp4":
+def _read_mode(cfg: EPConfig, x_TH: torch.Tensor, dtype: str) -> int:
+    """The send's FP8 or NVFP4 constexpr (READ_WORDS, READ_ELEMENTS; 0: not this dtype)."""
+    if cfg.dispatch_dtype != dtype:
         return 0
-    return (NVFP4_WORDS if reads_words(x_TH) else NVFP4_ELEMENTS).value
+    return (READ_WORDS if reads_words(x_TH) else READ_ELEMENTS).value
 
 
 def _send_work(T: int, rows: int, chunks: int) -> int:

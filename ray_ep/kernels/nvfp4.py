@@ -21,7 +21,7 @@ import triton.language as tl
 from ..config import E2M1_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_SCALE
 from ..nvfp4 import check_dequantize_inputs, check_quantize_inputs
 from ._util import INTERPRETED, tile_shape
-from .quant import to_e4m3
+from .quant import abs_f32, bf16_words, reads_words, to_e4m3
 
 _BLOCK = tl.constexpr(NVFP4_BLOCK)
 _E2M1_MAX = tl.constexpr(E2M1_MAX)
@@ -160,36 +160,13 @@ def quantize_nvfp4_blocks(lo, hi, g, FAST: tl.constexpr):
 
 
 @triton.jit
-def bf16_words(w):
-    """(even, odd) fp32 channels of int32 words that each hold two bf16 channels (the even one
-    in the low half): a shift and a mask, where converting each bf16 value takes two ops. On
-    a GPU both are opaque to the compiler, which otherwise folds a later |odd| into the mask
-    (one more op) where a float op takes |x| for free."""
-    if INTERPRETED:
-        return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
-    even = tl.inline_asm_elementwise("shl.b32 $0, $1, 16;", "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
-    odd = tl.inline_asm_elementwise("and.b32 $0, $1, 0xFFFF0000;", "=r,r", [w], dtype=tl.int32, is_pure=True,
-                                    pack=1)
-    return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _abs(x):
-    """|x| as PTX's abs.f32, which the compiler folds into the next float op as an operand
-    modifier; tl.abs lowers to a mask, an op of its own when x comes from bit ops."""
-    if INTERPRETED:
-        return tl.abs(x)
-    return tl.inline_asm_elementwise("abs.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
 def quantize_nvfp4_words(lo, hi, g, FAST: tl.constexpr):
     """:func:`quantize_nvfp4_blocks` of bf16 blocks held as words: lo, hi int32 [..., 4] are
     channels 0-7 and 8-15 of each block, two per word (:func:`load_block_words`)."""
     even_lo, odd_lo = bf16_words(lo)
     even_hi, odd_hi = bf16_words(hi)
-    amax = tl.maximum(tl.maximum(tl.max(_abs(even_lo), axis=-1), tl.max(_abs(odd_lo), axis=-1)),
-                      tl.maximum(tl.max(_abs(even_hi), axis=-1), tl.max(_abs(odd_hi), axis=-1)))
+    amax = tl.maximum(tl.maximum(tl.max(abs_f32(even_lo), axis=-1), tl.max(abs_f32(odd_lo), axis=-1)),
+                      tl.maximum(tl.max(abs_f32(even_hi), axis=-1), tl.max(abs_f32(odd_hi), axis=-1)))
     s, inv = block_scales(amax, g, FAST)
     packed = (_pack_words(even_lo, odd_lo, inv).to(tl.uint32).to(tl.int64)
               | (_pack_words(even_hi, odd_hi, inv).to(tl.int64) << 32))
@@ -238,12 +215,6 @@ def load_block_pair_words(w_row4, h0, H, rm4, NP: tl.constexpr):
          + tl.arange(0, 4)[None, None, None, :])
     m = rm4 & (c < H // 2)
     return tl.load(w_row4 + c, mask=m, other=0), tl.load(w_row4 + c + 4, mask=m, other=0)
-
-
-def reads_words(x_TH: torch.Tensor) -> bool:
-    """Whether a send or quantise kernel reads rows x_TH as int32 words of two channels
-    (:func:`quantize_nvfp4_words`): bf16 rows that start 4-byte aligned (others would fault)."""
-    return x_TH.dtype == torch.bfloat16 and x_TH.data_ptr() % 4 == 0 and x_TH.stride(0) % 2 == 0
 
 
 def block_warps(rows: int, channels: int, most: int, blocks_per_thread: int = 1) -> int:

@@ -2,8 +2,9 @@
 
 Legend: T rows, H channels, G = H / 128 scale groups.
 
-The device helpers :func:`quantize_group` and :func:`to_e4m3` are shared with the
-dispatch kernel, which quantises inside the send. The torch implementations (the twins) are
+The device helpers :func:`quantize_group` (and :func:`quantize_group_words`, for bf16 rows read
+as int32 words: :func:`bf16_words`), :func:`to_e4m3` and :func:`e4m3_pairs` are shared with the
+dispatch kernel, which quantises inside the send, and with :mod:`ray_ep.kernels.nvfp4`. The torch implementations (the twins) are
 :func:`ray_ep.fp8.quantize_fp8_torch` and :func:`ray_ep.fp8.dequantize_fp8_torch`.
 """
 
@@ -58,6 +59,47 @@ def to_e4m3(v):
 
 
 @triton.jit
+def bf16_words(w):
+    """(even, odd) fp32 channels of int32 words that each hold two bf16 channels (the even one
+    in the low half): a shift and a mask, where converting each bf16 value takes two ops. On
+    a GPU both are opaque to the compiler, which otherwise folds a later |odd| into the mask
+    (one more op) where a float op takes |x| for free."""
+    if INTERPRETED:
+        return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+    even = tl.inline_asm_elementwise("shl.b32 $0, $1, 16;", "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
+    odd = tl.inline_asm_elementwise("and.b32 $0, $1, 0xFFFF0000;", "=r,r", [w], dtype=tl.int32, is_pure=True,
+                                    pack=1)
+    return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def abs_f32(x):
+    """|x| as PTX's abs.f32, which the compiler folds into the next float op as an operand
+    modifier; tl.abs lowers to a mask, an op of its own when x comes from bit ops."""
+    if INTERPRETED:
+        return tl.abs(x)
+    return tl.inline_asm_elementwise("abs.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+def reads_words(x_TH: torch.Tensor) -> bool:
+    """Whether a send or quantise kernel reads rows x_TH as int32 words of two channels
+    (:func:`bf16_words`): bf16 rows that start 4-byte aligned (others would fault)."""
+    return x_TH.dtype == torch.bfloat16 and x_TH.data_ptr() % 4 == 0 and x_TH.stride(0) % 2 == 0
+
+
+@triton.jit
+def e4m3_pairs(lo, hi):
+    """int16 [...] of two fp32 tiles' e4m3 codes (as to_e4m3): lo's in the low byte, hi's in
+    the high one; on a GPU one cvt.rn.satfinite per pair, as to_e4m3 converts neighbours."""
+    if INTERPRETED:
+        lo8 = to_e4m3(lo).to(tl.uint8, bitcast=True).to(tl.int16)
+        hi8 = to_e4m3(hi).to(tl.uint8, bitcast=True).to(tl.int16)
+        return lo8 | (hi8 << 8)
+    return tl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,f,f", [lo, hi],
+                                     dtype=tl.int16, is_pure=True, pack=1)
+
+
+@triton.jit
 def quantize_group(x, GROUPS: tl.constexpr):
     """Quantise a [ROWS, GROUPS * 128] fp32 tile. Returns (q as float8e4nv [ROWS, GROUPS*128],
     scales fp32 [ROWS, GROUPS]). scale = amax / 448 per group (1 for an all-zero group)."""
@@ -71,6 +113,25 @@ def quantize_group(x, GROUPS: tl.constexpr):
     scales = tl.where(nonzero, tl.math.div_rn(safe, limit), 1.0)
     q = to_e4m3(g * inv[:, :, None])
     return tl.reshape(q, (ROWS, GROUPS * _GROUP)), scales
+
+
+@triton.jit
+def quantize_group_words(w, GROUPS: tl.constexpr):
+    """:func:`quantize_group` of bf16 channels held as int32 words [ROWS, GROUPS * 64], two
+    channels a word (:func:`bf16_words`: a shift or a mask per channel, where a bf16
+    conversion takes two ops). Returns (the codes as int16 [ROWS, GROUPS * 64]: a word's
+    two channels' e4m3 bytes in its order, to be stored as they are; scales fp32 [ROWS,
+    GROUPS])."""
+    ROWS: tl.constexpr = w.shape[0]
+    even, odd = bf16_words(tl.reshape(w, (ROWS, GROUPS, _GROUP // 2)))
+    amax = tl.maximum(tl.max(abs_f32(even), axis=2), tl.max(abs_f32(odd), axis=2))
+    nonzero = amax > 0
+    safe = tl.where(nonzero, amax, 1.0)
+    limit = tl.full(safe.shape, _FP8_MAX, tl.float32)
+    inv = tl.where(nonzero, tl.math.div_rn(limit, safe), 1.0)
+    scales = tl.where(nonzero, tl.math.div_rn(safe, limit), 1.0)
+    q = e4m3_pairs(even * inv[:, :, None], odd * inv[:, :, None])
+    return tl.reshape(q, (ROWS, GROUPS * _GROUP // 2)), scales
 
 
 @triton.jit
@@ -95,16 +156,26 @@ def store_scales(ptrs, scales, mask, AS_REDUCED: tl.constexpr):
 
 
 @triton.jit
-def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_x, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_x, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                         WORDS: tl.constexpr):
+    """WORDS: bf16 rows read as int32 words (:func:`reads_words`), codes stored two a store."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows[:, None] < T
     for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        mask = rmask & (cols[None, :] < H)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
-        q, s = quantize_group(x.to(tl.float32), BLOCK_H // _GROUP)
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], q, mask=mask)
+        if WORDS:
+            wc = h0 // 2 + tl.arange(0, BLOCK_H // 2)
+            mask = rmask & (wc[None, :] < H // 2)
+            w_ptr = x_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * (stride_x // 2)
+            q, s = quantize_group_words(tl.load(w_ptr + wc[None, :], mask=mask, other=0), BLOCK_H // _GROUP)
+            tl.store(q_ptr.to(tl.pointer_type(tl.int16)) + rows[:, None].to(tl.int64) * (H // 2) + wc[None, :], q,
+                     mask=mask)
+        else:
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = rmask & (cols[None, :] < H)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
+            q, s = quantize_group(x.to(tl.float32), BLOCK_H // _GROUP)
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], q, mask=mask)
         g = h0 // _GROUP + tl.arange(0, BLOCK_H // _GROUP)
         tl.store(s_ptr + rows[:, None] * (H // _GROUP) + g[None, :], s, mask=rmask & (g[None, :] < H // _GROUP))
 
@@ -140,7 +211,7 @@ def quantize_fp8(*, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if T:
         bt, bh = tile_shape(H, x_TH.device, multiple=FP8_GROUP)
         _quantize_fp8_kernel[(triton.cdiv(T, bt),)](x_ptr=x_TH, q_ptr=q, s_ptr=s, T=T, H=H, stride_x=x_TH.stride(0),
-                                                     BLOCK_T=bt, BLOCK_H=bh)
+                                                     BLOCK_T=bt, BLOCK_H=bh, WORDS=reads_words(x_TH))
     return q, s
 
 
