@@ -273,8 +273,8 @@ def _send_fp8_words(x_row, toks, tm, rows, oks, anys, bases, mine, off_x, off_sc
         wm = wc < H // 2
         if PREFETCH:
             w = w_next
-            w_next = tl.load(w_row + BLOCK_H // 2 + wc[None, :], mask=tm[:, None] & (wc[None, :] + BLOCK_H // 2 < H // 2),
-                             other=0)
+            w_next = tl.load(w_row + BLOCK_H // 2 + wc[None, :],
+                             mask=tm[:, None] & (wc[None, :] + BLOCK_H // 2 < H // 2), other=0)
         else:
             w = tl.load(w_row + wc[None, :], mask=tm[:, None] & wm[None, :], other=0)
         q, s = quantize_group_words(w, SG)

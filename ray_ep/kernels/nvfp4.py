@@ -26,7 +26,6 @@ from .quant import abs_f32, bf16_words, reads_words, to_e4m3
 _BLOCK = tl.constexpr(NVFP4_BLOCK)
 _E2M1_MAX = tl.constexpr(E2M1_MAX)
 _FP8_MAX = tl.constexpr(FP8_MAX)
-_G = tl.constexpr(NVFP4_GLOBAL_SCALE)
 
 
 # 1.5 * 2^23: fp32 sums in [2^23, 2^24) step by 1, so adding it rounds to an integer (nearest even)

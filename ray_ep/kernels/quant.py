@@ -4,8 +4,9 @@ Legend: T rows, H channels, G = H / 128 scale groups.
 
 The device helpers :func:`quantize_group` (and :func:`quantize_group_words`, for bf16 rows read
 as int32 words: :func:`bf16_words`), :func:`to_e4m3` and :func:`e4m3_pairs` are shared with the
-dispatch kernel, which quantises inside the send, and with :mod:`ray_ep.kernels.nvfp4`. The torch implementations (the twins) are
-:func:`ray_ep.fp8.quantize_fp8_torch` and :func:`ray_ep.fp8.dequantize_fp8_torch`.
+dispatch kernel, which quantises inside the send, and with :mod:`ray_ep.kernels.nvfp4`. The
+torch implementations (the twins) are :func:`ray_ep.fp8.quantize_fp8_torch` and
+:func:`ray_ep.fp8.dequantize_fp8_torch`.
 """
 
 from __future__ import annotations
