@@ -196,6 +196,13 @@ def small_batch(tokens: int | None, device: torch.device | str) -> bool:
     return tokens is not None and tokens <= num_sms(device)
 
 
+def fused_as_two_launches(budget: int | None, tokens: int, device: torch.device | str) -> bool:
+    """Whether a fused dispatch or combine runs as its send and receive launches: under an SM
+    budget with more tokens than SMs, where one launch measured slower (see
+    :func:`ray_ep.kernels.dispatch.dispatch_fused`)."""
+    return bool(budget) and not small_batch(tokens, device)
+
+
 def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str, multiple: int = 8,
               channels: int | None = None, tokens: int | None = None) -> tuple[int, int, int]:
     """(rows, channels, warps) of a dispatch or combine program (``channels``: the step under

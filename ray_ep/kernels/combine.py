@@ -31,7 +31,8 @@ from ..types import DispatchHandle
 from ..validation import check_tensor
 from ._shmem import other_node, put_bytes, quiet, signal, staged
 from ._sync import at_offset, last_program_done, peer_bases, peer_ptr, release_signals, wait_blocks, wait_signals
-from ._util import comm_tile, interpreted, launch, num_sms as sm_count, remote_meta, side_stream, small_batch, timeouts
+from ._util import (comm_tile, fused_as_two_launches, interpreted, launch, num_sms as sm_count, remote_meta,
+                    side_stream, timeouts)
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 from .pairs import join_pairs, pair_ptr, unpack_pairs
@@ -428,7 +429,7 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
         return _pull_combine(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype,
                              add_TH=add_TH, num_sms=num_sms, check=check)
     budget = num_sms or cfg.num_sms
-    if budget and not small_batch(handle.num_tokens, bufs.device):  # two launches: faster, see dispatch_fused
+    if fused_as_two_launches(budget, handle.num_tokens, bufs.device):
         combine_send(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, num_sms=budget)
         return combine_recv(cfg=cfg, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype, add_TH=add_TH,
                             num_sms=budget, check=check)

@@ -37,7 +37,7 @@ from ..types import DispatchHandle, DispatchLayout, RecvLayout
 from ..validation import check_send_inputs
 from ._shmem import other_node, put_bytes, put_signal, quiet, staged
 from ._sync import at_offset, last_program_done, live_blocks, locate_block, peer_bases, release_signals, wait_signals
-from ._util import COMM_WARPS, comm_tile, interpreted, launch, remote_meta, small_batch, timeouts
+from ._util import COMM_WARPS, comm_tile, fused_as_two_launches, interpreted, launch, remote_meta, small_batch, timeouts
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 from .layout import (CHUNK_ROWS, assign_block, block_bases, block_tokens, chunk_start, compute_layout,
@@ -258,6 +258,16 @@ def _send_nvfp4_rows(x_row3, toks, tm, rows, oks, anys, bases, mine, off_x, off_
 
 
 @triton.jit
+def _store_fp8_step(base, off_q, off_s, row, ok, q, qc, qm, s, g, gm, H, ALONE: tl.constexpr):
+    """A step's fp8 codes and group scales into rows ``row`` [BT, 1] (where ``ok``) of the
+    symmetric block at ``base``: q [BT, C] at columns qc (where qm) of rows of codes, e4m3 or
+    int16 pairs of them (:func:`_send_fp8_words`); s [BT, SG] at scale groups g (where gm)."""
+    PER: tl.constexpr = q.dtype.primitive_bitwidth // 8  # codes per element of q
+    tl.store(at_offset(base, off_q, q.dtype) + row * (H // PER) + qc[None, :], q, mask=ok & qm[None, :])
+    store_scales(at_offset(base, off_s, tl.float32) + row * (H // _FP8_GROUP) + g[None, :], s, ok & gm, ALONE)
+
+
+@triton.jit
 def _send_fp8_words(x_row, toks, tm, rows, oks, anys, bases, mine, off_x, off_scales, off_sx, off_ss, H,
                     R_PAD: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, PREFETCH: tl.constexpr,
                     ALONE: tl.constexpr):
@@ -281,17 +291,12 @@ def _send_fp8_words(x_row, toks, tm, rows, oks, anys, bases, mine, off_x, off_sc
         g = h0 // _FP8_GROUP + tl.arange(0, SG)
         gm = g[None, :] < H // _FP8_GROUP
         if REMOTE:
-            px = at_offset(mine, off_sx, tl.int16)
-            tl.store(px + toks[:, None].to(tl.int64) * (H // 2) + wc[None, :], q, mask=tm[:, None] & wm[None, :])
-            ps = at_offset(mine, off_ss, tl.float32)
-            store_scales(ps + toks[:, None].to(tl.int64) * (H // _FP8_GROUP) + g[None, :], s, tm[:, None] & gm, ALONE)
+            _store_fp8_step(mine, off_sx, off_ss, toks[:, None].to(tl.int64), tm[:, None], q, wc, wm, s, g, gm, H,
+                            ALONE)
         for d in tl.static_range(R_PAD):
             if anys[d]:
-                to = rows[d][:, None]
-                px = at_offset(bases[d], off_x, tl.int16)
-                tl.store(px + to * (H // 2) + wc[None, :], q, mask=oks[d][:, None] & wm[None, :])
-                ps = at_offset(bases[d], off_scales, tl.float32)
-                store_scales(ps + to * (H // _FP8_GROUP) + g[None, :], s, oks[d][:, None] & gm, ALONE)
+                _store_fp8_step(bases[d], off_x, off_scales, rows[d][:, None], oks[d][:, None], q, wc, wm, s, g, gm,
+                                H, ALONE)
 
 
 @triton.jit
@@ -355,11 +360,8 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
                 gm = g[None, :] < H // _FP8_GROUP
             if REMOTE:
                 if FP8:
-                    px = at_offset(mine, off_sx, tl.float8e4nv)
-                    tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], q, mask=tm[:, None] & cm[None, :])
-                    ps = at_offset(mine, off_ss, tl.float32)
-                    store_scales(ps + toks[:, None].to(tl.int64) * (H // _FP8_GROUP) + g[None, :], s, tm[:, None] & gm,
-                                 ALONE)
+                    _store_fp8_step(mine, off_sx, off_ss, toks[:, None].to(tl.int64), tm[:, None], q, cols, cm, s, g,
+                                    gm, H, ALONE)
                 else:
                     px = at_offset(mine, off_sx, tl.bfloat16)
                     tl.store(px + toks[:, None].to(tl.int64) * H + cols[None, :], x, mask=tm[:, None] & cm[None, :])
@@ -368,10 +370,7 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
                 to_ok = oks[d][:, None]
                 if anys[d]:
                     if FP8:
-                        px = at_offset(bases[d], off_x, tl.float8e4nv)
-                        tl.store(px + to * H + cols[None, :], q, mask=to_ok & cm[None, :])
-                        ps = at_offset(bases[d], off_scales, tl.float32)
-                        store_scales(ps + to * (H // _FP8_GROUP) + g[None, :], s, to_ok & gm, ALONE)
+                        _store_fp8_step(bases[d], off_x, off_scales, to, to_ok, q, cols, cm, s, g, gm, H, ALONE)
                     else:
                         px = at_offset(bases[d], off_x, tl.bfloat16)
                         tl.store(px + to * H + cols[None, :], x, mask=to_ok & cm[None, :])
@@ -812,7 +811,7 @@ def dispatch_fused(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tens
     spills: its sum at 2048 channels, none, ran as fast as at 4096.) With every SM two launches
     gain nothing (fp8 268.5 us) and the combine would lose its per-block flags (554.5 -> 538)."""
     budget = num_sms or cfg.num_sms
-    if budget and not small_batch(x_TH.shape[0], bufs.device):
+    if fused_as_two_launches(budget, x_TH.shape[0], bufs.device):
         layout = dispatch_send(cfg=cfg, x_TH=x_TH, topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK,
                                bufs=bufs, ws=ws, layout=layout, num_sms=budget)
         return dispatch_recv(cfg=cfg, layout=layout, bufs=bufs, ws=ws, num_tokens=x_TH.shape[0], out=out,

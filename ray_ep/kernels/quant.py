@@ -101,17 +101,22 @@ def e4m3_pairs(lo, hi):
 
 
 @triton.jit
+def group_scales(amax):
+    """(448 / amax, amax / 448) of groups with largest magnitude amax: the multiplier to e4m3
+    and the scale back (1 and 1 for an all-zero group)."""
+    nonzero = amax > 0
+    safe = tl.where(nonzero, amax, 1.0)
+    limit = tl.full(safe.shape, _FP8_MAX, tl.float32)
+    return tl.where(nonzero, tl.math.div_rn(limit, safe), 1.0), tl.where(nonzero, tl.math.div_rn(safe, limit), 1.0)
+
+
+@triton.jit
 def quantize_group(x, GROUPS: tl.constexpr):
     """Quantise a [ROWS, GROUPS * 128] fp32 tile. Returns (q as float8e4nv [ROWS, GROUPS*128],
     scales fp32 [ROWS, GROUPS]). scale = amax / 448 per group (1 for an all-zero group)."""
     ROWS: tl.constexpr = x.shape[0]
     g = tl.reshape(x, (ROWS, GROUPS, _GROUP))
-    amax = tl.max(tl.abs(g), axis=2)
-    nonzero = amax > 0
-    safe = tl.where(nonzero, amax, 1.0)
-    limit = tl.full(safe.shape, _FP8_MAX, tl.float32)
-    inv = tl.where(nonzero, tl.math.div_rn(limit, safe), 1.0)
-    scales = tl.where(nonzero, tl.math.div_rn(safe, limit), 1.0)
+    inv, scales = group_scales(tl.max(tl.abs(g), axis=2))
     q = to_e4m3(g * inv[:, :, None])
     return tl.reshape(q, (ROWS, GROUPS * _GROUP)), scales
 
@@ -125,12 +130,7 @@ def quantize_group_words(w, GROUPS: tl.constexpr):
     GROUPS])."""
     ROWS: tl.constexpr = w.shape[0]
     even, odd = bf16_words(tl.reshape(w, (ROWS, GROUPS, _GROUP // 2)))
-    amax = tl.maximum(tl.max(abs_f32(even), axis=2), tl.max(abs_f32(odd), axis=2))
-    nonzero = amax > 0
-    safe = tl.where(nonzero, amax, 1.0)
-    limit = tl.full(safe.shape, _FP8_MAX, tl.float32)
-    inv = tl.where(nonzero, tl.math.div_rn(limit, safe), 1.0)
-    scales = tl.where(nonzero, tl.math.div_rn(safe, limit), 1.0)
+    inv, scales = group_scales(tl.maximum(tl.max(abs_f32(even), axis=2), tl.max(abs_f32(odd), axis=2)))
     q = e4m3_pairs(even * inv[:, :, None], odd * inv[:, :, None])
     return tl.reshape(q, (ROWS, GROUPS * _GROUP // 2)), scales
 
