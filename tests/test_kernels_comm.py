@@ -1046,8 +1046,9 @@ def test_tiles_under_an_sm_budget(monkeypatch, R, sum_channels):
 @pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
 def test_quantising_sends_take_steps_that_divide_h(monkeypatch, dtype):
     # a thread pays for its step's channels past H too: deepseek-v3's 7168 channels are 3.5
-    # steps of 2048, so a quantising send under a budget halves its step and doubles its rows
-    # (the same threads), and so does nvfp4's with every SM; decode keeps its wide steps
+    # steps of 2048, so a quantising send under a budget that binds it by its SMs halves its
+    # step and doubles its rows (the same threads), and so does nvfp4's with every SM; decode
+    # keeps its wide steps. Past that budget (budget x (R - 1) / R > 12) the wide steps stay.
     from ray_ep.kernels import _util
 
     monkeypatch.setattr(_util, "interpreted", lambda: False)
@@ -1055,7 +1056,20 @@ def test_quantising_sends_take_steps_that_divide_h(monkeypatch, dtype):
     cfg = EPConfig.preset("deepseek-v3", gpus_per_node=4, dispatch_dtype=dtype, max_tokens_per_rank=4096)
     cpu = torch.device("cpu")  # a GPU of 4 SMs, as above
     budget_tile = {"fp8": (16, 1024, 32), "nvfp4": (16, 1024, 16)}[dtype]
-    assert D._send_tile(cfg, cpu, 24, 4096) == D._send_tile(cfg, cpu, 16) == budget_tile
+    wide_tile = {"fp8": (8, 2048, 32), "nvfp4": (8, 2048, 16)}[dtype]
+    assert D._send_tile(cfg, cpu, 16, 4096) == D._send_tile(cfg, cpu, 16) == budget_tile
+    assert D._send_tile(cfg, cpu, 20, 4096) == D._send_tile(cfg, cpu, 24) == wide_tile
+    two = cfg.model_copy(update={"gpus_per_node": 2})
+    assert D._send_tile(two, cpu, 24, 4096) == budget_tile
+    assert D._send_tile(two, cpu, 25, 4096) == wide_tile
+    # fp8 rows are read as words with every SM and under a budget that binds the send by its
+    # SMs, as elements past it; nvfp4's always as words (aligned rows)
+    x = torch.zeros(8, cfg.hidden_size, dtype=torch.bfloat16)
+    words, elements = D.READ_WORDS.value, D.READ_ELEMENTS.value
+    expected = {None: words, 16: words, 24: words if dtype == "nvfp4" else elements}
+    assert {b: D._read_mode(cfg, x, dtype, b) for b in expected} == expected
+    assert D._read_mode(two, x, dtype, 24) == words
+    assert D._read_mode(cfg, x[:, 1:], dtype, 16) == elements  # rows that start at odd bf16 offsets
     assert D._send_tile(cfg, cpu, None, 4096) == {"fp8": (1, 1024, 4), "nvfp4": (2, 1024, 2)}[dtype]
     assert D._send_tile(cfg, cpu, None, 4) == {"fp8": (1, 2048, 8), "nvfp4": (1, 4096, 4)}[dtype]
     # a hidden size that a wide step divides keeps it; bf16 keeps its tile

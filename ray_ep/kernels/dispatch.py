@@ -605,7 +605,8 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
     and 2 warps, 8 x 2048 at 16 warps, **165.4 / 241.4**; 1024 at 1 warp 167.7. Decode keeps
     4096 channels at 4 warps (from CUDA graphs 21.7 us against 21.5 a block per thread;
     2048 at 2 warps 25.0). Quantising sends under a budget, and nvfp4's with every SM, then
-    take steps that divide H (:func:`_whole_steps`).
+    take steps that divide H (:func:`_whole_steps`), under a budget only while the send is
+    bound by its SMs (:func:`_bound_by_its_sms`).
     """
     multiple = {"fp8": FP8_GROUP, "nvfp4": 32}.get(cfg.dispatch_dtype, 8)
     rows, step, warps = comm_tile(cfg.hidden_size, device, budget, "dispatch", multiple=multiple, tokens=tokens)
@@ -617,7 +618,8 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
         # takes 4096, the row in fewer steps
         channels = COMM_WARPS * 32 * (2 if decode else 1) * NVFP4_BLOCK
         step = max(step, min(channels, triton.next_power_of_2(cfg.hidden_size)))
-    if budget or (cfg.dispatch_dtype == "nvfp4" and not decode):
+    if (budget and _bound_by_its_sms(budget, cfg.world_size)) or (cfg.dispatch_dtype == "nvfp4" and not budget
+                                                                  and not decode):
         rows, step = _whole_steps(rows, step, cfg.hidden_size)
     if cfg.dispatch_dtype == "nvfp4":
         warps = block_warps(rows, step, warps, blocks_per_thread=2)
@@ -626,6 +628,25 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
 
 # The narrowest step _whole_steps takes
 WHOLE_STEP_MIN = 1024
+
+# The SMs of a budget, times the share of a send's rows that go to peers ((R - 1) / R), up to
+# which a quantising send is bound by its SMs' instructions (see _bound_by_its_sms)
+SM_BOUND_PEER_SMS = 12
+
+
+def _bound_by_its_sms(budget: int, world_size: int) -> bool:
+    """Whether a quantising send under ``budget`` SMs is bound by its SMs' instructions, so
+    that its forms in fewer instructions (whole steps, fp8 rows read as words) pay.
+
+    Past that point more SMs hardly help, and the faster forms lose. 4x H200, prefill, us at
+    16 / 20 / 24 / 32 SMs, 8 rows x 2048 channels with fp8 read as bf16 elements: fp8 381.9 /
+    321.6 / 329.5 / 334.7, nvfp4 307.2 / 255.8 / 228.8 / 244.1. Same call, 24 / 16 SMs: fp8
+    331.2 / 378.8 -> 346.5 / 347.0 with whole steps and words (343.8 / 351.0 words alone,
+    348.1 / 366.6 whole steps alone), nvfp4 230.7 / 304.7 -> 254.0 / 273.9 with whole steps.
+    On 2x H200 (half of a send's rows go to a peer, not three quarters) both forms won at 24
+    SMs too: fp8 181.9 -> 171.3, nvfp4 220.6 -> 184.2. Why they lose past the point is not
+    known yet; the rule: budget x (R - 1) / R <= SM_BOUND_PEER_SMS."""
+    return budget * (world_size - 1) <= SM_BOUND_PEER_SMS * world_size
 
 
 def _whole_steps(rows: int, step: int, H: int) -> tuple[int, int]:
@@ -712,18 +733,22 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
     # 2x H200, prefill at 24 / 16 SMs: fp8 308 -> 287 / 428 -> 396 us, nvfp4 399 -> 387 /
     # 561 -> 544; every SM: fp8 130 -> 125, nvfp4 132 -> 117; decode fp8 27.0 -> 25.3, nvfp4
     # 26.2 -> 24.5. bf16 (nothing to overlap) at 24 / 16 SMs: 248 -> 261 / 224 -> 241, so not bf16
-    meta = dict(FP8=_read_mode(cfg, x_TH, "fp8"), NVFP4=_read_mode(cfg, x_TH, "nvfp4"), BT=bt, BLOCK_H=bh,
+    meta = dict(FP8=_read_mode(cfg, x_TH, "fp8", budget), NVFP4=_read_mode(cfg, x_TH, "nvfp4", budget), BT=bt,
+                BLOCK_H=bh,
                 OWN_LAYOUT=int(how), CH=64 if interpreted() else SCAN_CHUNK.get(int(how), 32), SB=block_tokens(),
                 BRANCHLESS=bt > 1, PREFETCH=cfg.dispatch_dtype != "bf16", C_PAD=triton.next_power_of_2(R * L + R),
                 **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
 
 
-def _read_mode(cfg: EPConfig, x_TH: torch.Tensor, dtype: str) -> int:
-    """The send's FP8 or NVFP4 constexpr (READ_WORDS, READ_ELEMENTS; 0: not this dtype)."""
+def _read_mode(cfg: EPConfig, x_TH: torch.Tensor, dtype: str, budget: int | None) -> int:
+    """The send's FP8 or NVFP4 constexpr (READ_WORDS, READ_ELEMENTS; 0: not this dtype):
+    words where the rows allow it, fp8's under a budget only while the send is bound by its
+    SMs (:func:`_bound_by_its_sms`)."""
     if cfg.dispatch_dtype != dtype:
         return 0
-    return (READ_WORDS if reads_words(x_TH) else READ_ELEMENTS).value
+    words = reads_words(x_TH) and (dtype != "fp8" or not budget or _bound_by_its_sms(budget, cfg.world_size))
+    return (READ_WORDS if words else READ_ELEMENTS).value
 
 
 def _send_work(T: int, rows: int, chunks: int) -> int:
