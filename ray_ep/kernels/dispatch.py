@@ -618,8 +618,11 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
         # takes 4096, the row in fewer steps
         channels = COMM_WARPS * 32 * (2 if decode else 1) * NVFP4_BLOCK
         step = max(step, min(channels, triton.next_power_of_2(cfg.hidden_size)))
-    if (budget and _bound_by_its_sms(budget, cfg.world_size)) or (cfg.dispatch_dtype == "nvfp4" and not budget
-                                                                  and not decode):
+    if budget:
+        whole = _bound_by_its_sms(budget, cfg.world_size)
+    else:
+        whole = cfg.dispatch_dtype == "nvfp4" and not decode
+    if whole:
         rows, step = _whole_steps(rows, step, cfg.hidden_size)
     if cfg.dispatch_dtype == "nvfp4":
         warps = block_warps(rows, step, warps, blocks_per_thread=2)
@@ -733,10 +736,10 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
     # 2x H200, prefill at 24 / 16 SMs: fp8 308 -> 287 / 428 -> 396 us, nvfp4 399 -> 387 /
     # 561 -> 544; every SM: fp8 130 -> 125, nvfp4 132 -> 117; decode fp8 27.0 -> 25.3, nvfp4
     # 26.2 -> 24.5. bf16 (nothing to overlap) at 24 / 16 SMs: 248 -> 261 / 224 -> 241, so not bf16
-    meta = dict(FP8=_read_mode(cfg, x_TH, "fp8", budget), NVFP4=_read_mode(cfg, x_TH, "nvfp4", budget), BT=bt,
-                BLOCK_H=bh,
-                OWN_LAYOUT=int(how), CH=64 if interpreted() else SCAN_CHUNK.get(int(how), 32), SB=block_tokens(),
-                BRANCHLESS=bt > 1, PREFETCH=cfg.dispatch_dtype != "bf16", C_PAD=triton.next_power_of_2(R * L + R),
+    meta = dict(FP8=_read_mode(cfg, x_TH, "fp8", budget), NVFP4=_read_mode(cfg, x_TH, "nvfp4", budget),
+                BT=bt, BLOCK_H=bh, OWN_LAYOUT=int(how), CH=64 if interpreted() else SCAN_CHUNK.get(int(how), 32),
+                SB=block_tokens(), BRANCHLESS=bt > 1, PREFETCH=cfg.dispatch_dtype != "bf16",
+                C_PAD=triton.next_power_of_2(R * L + R),
                 **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
 
