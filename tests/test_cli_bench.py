@@ -299,6 +299,28 @@ def test_table_says_the_sms_each_launch_used(tmp_path):
     assert bench.BenchResult.from_json(str(tmp_path / "r.json")).rows[0].launches == pull.launches
 
 
+def test_table_says_the_time_of_each_launch(tmp_path):
+    # a dispatch at 24 SMs: each launch's time is the slowest rank's (a receive waits for peers)
+    per_rank = [dict(times_us={"dispatch": [330.0, 340.0]}, remote_rows=10, received_rows=12, check_error=0.0,
+                     misplaced_rows=0, launches={"dispatch": [["_chunk_count_kernel", 24, 24],
+                                                              ["_dispatch_send_kernel", 24, 24]]},
+                     launch_us={"dispatch": us}) for us in ([8.6, 301.2], [9.4, 296.0])]
+    cfg = EPConfig.preset("tiny", gpus_per_node=2)
+    row = runner.aggregate(per_rank, "dispatch", cfg, 100, preset="tiny", backend="ray_ep", dtype="fp8",
+                           routing="uniform", tokens=8, sms="24")
+    assert row.launch_us == [9.4, 301.2]
+    res = bench.BenchResult(rows=[row, _row()], meta={"device": "x"})
+    lines = res.table().splitlines()
+    assert lines[0].split()[-3:] == ["us", "per", "launch"]
+    assert lines[2].split()[-1] == "9/301" and lines[3].split()[-1] == "-"
+    res.to_json(str(tmp_path / "r.json"))
+    assert bench.BenchResult.from_json(str(tmp_path / "r.json")).rows[0].launch_us == row.launch_us
+    # ranks that launched differently (or timed nothing) give no per-launch figure
+    per_rank[1]["launch_us"] = {"dispatch": [9.4]}
+    assert runner.aggregate(per_rank, "dispatch", cfg, 100, preset="tiny", backend="ray_ep", dtype="fp8",
+                            routing="uniform", tokens=8, sms="24").launch_us == []
+
+
 def test_plot_of_an_sm_budget_sweep_draws_each_budget(tmp_path):
     # a published --num-sms all,24,16 run: every (dtype, budget) is a series of its own, not
     # three budgets drawn over one another

@@ -530,9 +530,12 @@ def test_launches_report_programs_and_sms(mode):
     inp = make_round(cfg, [9, 7, 8, 6], seed=61)
     handles = sim.dispatch(inp)
     ys = sim.run_experts(handles)
-    with recorded_launches() as launches:
+    with recorded_launches() as launches, recorded_launches(timed=True) as timed:
         sim.combine(handles, ys, [None] * 4)
     got = [(r.kernel, r.programs, r.sms) for r in launches]
+    assert got == [(r.kernel, r.programs, r.sms) for r in timed]
+    # a timed block marks each launch (the interpreter runs it before the launch returns)
+    assert all(r.elapsed_us() is None for r in launches) and all(r.elapsed_us() > 0 for r in timed)
     assert got[4:] == [("_combine_recv_kernel", 1, 1)] * 4
     left = num_sms(device) - 1
     for kernel, programs, sms in got[:4]:
@@ -541,6 +544,48 @@ def test_launches_report_programs_and_sms(mode):
             assert programs == 1, got
         else:
             assert (programs == left) if device == "cpu" else (1 < programs <= left), got
+
+
+def test_launch_times_are_per_launch_medians_of_calls_after_the_timed_ones(monkeypatch):
+    # a transport whose dispatch launches two kernels and whose combine launches one: each
+    # gets its median over the extra calls, in launch order; every call starts after a barrier
+    from ray_ep.bench import loops
+    from ray_ep.kernels._util import launch
+
+    @triton.jit
+    def _add_one(x_ptr, n, B: tl.constexpr):
+        i = tl.arange(0, B)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+    x = torch.zeros(64, device=device)
+
+    def run(kernels: int):
+        for _ in range(kernels):
+            launch(_add_one, work=1, device=torch.device(device), budget=None, resident=False,
+                   args=dict(x_ptr=x, n=64), meta=dict(B=64))
+
+    class Fake:
+        barriers = 0
+
+        def barrier(self):
+            Fake.barriers += 1
+
+        def device_barrier(self):  # a GPU's clock also lines the ranks up on the stream
+            pass
+
+        def dispatch(self, x, ids, w, fused):
+            run(2)
+            return None
+
+        def combine(self, y, h, dtype, fused):
+            run(1)
+
+    monkeypatch.setattr(loops, "identity_outputs", lambda h: None)
+    t = Fake()
+    got = loops.launch_times(t, [(None, None, None)], loops._Clock(torch.device(device), t), fused=True, iters=3)
+    assert [len(got["dispatch"]), len(got["combine"])] == [2, 1]
+    assert all(us > 0 for us in got["dispatch"] + got["combine"])
+    assert Fake.barriers == 6 and x[0] == 9
 
 
 @pytest.mark.parametrize("dispatch", ["bf16", "fp8", "nvfp4"])

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import time
-from dataclasses import asdict, astuple, dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -36,6 +37,7 @@ from ..types import DispatchHandle
 log = logging.getLogger(__name__)
 
 SLEEP_CYCLES = 4_000_000  # ~2 ms at H100/H200 clocks: the host queues a whole phase meanwhile
+LAUNCH_TIMING_ITERS = 5  # calls after the timed ones, each launch between a pair of marks
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class RankTimes:
     launches: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)
     """Per op: (kernel, programs, most SMs occupied) of each communication kernel launch of one call
     (ray_ep's kernels; empty for the torch backend)."""
+    launch_us: dict[str, list[float]] = field(default_factory=dict)
+    """Per op: the median time of each of those launches (:func:`launch_times`)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -166,17 +170,40 @@ def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, 
             with recorded_launches() as rec:
                 h = t.dispatch(x, ids, w, fused=fused)
             d_us = clock.stop(s)
-            launches.setdefault("dispatch", [astuple(r) for r in rec])
+            launches.setdefault("dispatch", [(r.kernel, r.programs, r.sms) for r in rec])
             y = identity_outputs(h)
             s = clock.start()
             with recorded_launches() as rec:
                 t.combine(y, h, torch.bfloat16, fused=fused)
             c_us = clock.stop(s)
-            launches.setdefault("combine", [astuple(r) for r in rec])
+            launches.setdefault("combine", [(r.kernel, r.programs, r.sms) for r in rec])
             if i >= warmup:
                 times["dispatch"].append(d_us)
                 times["combine"].append(c_us)
-    return RankTimes(rank, times, remote, received, err, bad, launches=launches)
+        launch_us = launch_times(t, inputs, clock, fused)
+    return RankTimes(rank, times, remote, received, err, bad, launches=launches, launch_us=launch_us)
+
+
+def launch_times(t: Transport, inputs: list, clock: _Clock, fused: bool,
+                 iters: int = LAUNCH_TIMING_ITERS) -> dict[str, list[float]]:
+    """Per op, the median time of each communication kernel launch of a dispatch and of a
+    combine, over ``iters`` calls made after the timed ones (a pair of marks around every
+    launch would cost the timed calls a little). A receive's time includes its wait for the
+    slowest peer's send. Empty where nothing is launched through ray_ep's kernels."""
+    calls: dict[str, list[list]] = {"dispatch": [], "combine": []}
+    for i in range(iters):
+        x, ids, w = inputs[i % len(inputs)]
+        clock.start()
+        with recorded_launches(timed=True) as rec:
+            h = t.dispatch(x, ids, w, fused=fused)
+        calls["dispatch"].append(rec)
+        y = identity_outputs(h)
+        clock.start()
+        with recorded_launches(timed=True) as rec:
+            t.combine(y, h, torch.bfloat16, fused=fused)
+        calls["combine"].append(rec)
+    return {op: [statistics.median(r.elapsed_us() for r in same) for same in zip(*recs)]
+            for op, recs in calls.items() if recs and all(len(r) == len(recs[0]) for r in recs)}
 
 
 def bench_comm_graphs(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, num_tokens: int, routing: str,

@@ -89,12 +89,20 @@ class BenchRow:
     launches: list = field(default_factory=list)
     """Dispatch and combine rows of ray_ep's kernels: [kernel, programs, most SMs occupied] of each
     launch of one call (rank 0's), in launch order."""
+    launch_us: list = field(default_factory=list)
+    """The same rows: the time of each of those launches in microseconds, the slowest rank's
+    median over a few calls after the timed ones (a receive's includes its wait for peers)."""
 
     @property
     def sms_used(self) -> str:
         """The most SMs each launch occupied, in launch order ("108/24": a pass on 108 SMs, then a
         receive on 24); '-' where nothing was recorded."""
         return "/".join(str(sms) for _, _, sms in self.launches) or "-"
+
+    @property
+    def us_per_launch(self) -> str:
+        """:attr:`launch_us` rounded, in launch order ("9/301/18"); '-' where none was timed."""
+        return "/".join(f"{us:.0f}" for us in self.launch_us) or "-"
 
 
 @dataclass
@@ -105,7 +113,7 @@ class BenchResult:
     def table(self) -> str:
         head = (f"{'preset':<21}{'backend':<15}{'topo':<5}{'op':<11}{'dtype':<6}{'wts':<5}{'routing':<9}{'T/rank':>7}"
                 f"{'SMs':>5} {'SMs used':>14}{'median us':>11}{'p10':>9}{'p90':>9}{'remote GB/s':>12}{'recv GB/s':>10}"
-                f"{'check':>10}{'TFLOP/s':>9}{'wt GB/s':>9}")
+                f"{'check':>10}{'TFLOP/s':>9}{'wt GB/s':>9} {'us per launch':>14}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             chk = "-" if r.check_error is None else (f"{r.check_error:.1e}" if r.misplaced_rows == 0 else "MISPLACED")
@@ -113,7 +121,7 @@ class BenchResult:
             wg = "-" if r.weight_gbps is None else f"{r.weight_gbps:.0f}"
             lines.append(f"{r.preset:<21}{r.backend:<15}{r.topology:<5}{r.op:<11}{r.dtype:<6}{r.experts:<5}{r.routing:<9}"
                          f"{r.tokens:>7}{r.sms:>5} {r.sms_used:>14}{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}"
-                         f"{r.remote_gbps:>12.2f}{r.received_gbps:>10.2f}{chk:>10}{tf:>9}{wg:>9}")
+                         f"{r.remote_gbps:>12.2f}{r.received_gbps:>10.2f}{chk:>10}{tf:>9}{wg:>9} {r.us_per_launch:>14}")
         device = self.meta.get("device", "")
         peaks = {e: dense_peak(device, e) for e in ("bf16", "fp8")}
         if any(r.tflops is not None for r in self.rows) and peaks["bf16"]:
@@ -348,7 +356,16 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
                     received_gbps=received / slowest / 1e3 if slowest else 0.0,
                     check_error=max(checks) if op in ("dispatch", "combine") else None,
                     misplaced_rows=sum(r["misplaced_rows"] for r in per_rank),
-                    launches=[list(x) for x in per_rank[0].get("launches", {}).get(op, [])], **gemm, **labels)
+                    launches=[list(x) for x in per_rank[0].get("launches", {}).get(op, [])],
+                    launch_us=_slowest_per_launch([r.get("launch_us", {}).get(op, []) for r in per_rank]), **gemm,
+                    **labels)
+
+
+def _slowest_per_launch(per_rank: list[list[float]]) -> list[float]:
+    """Per launch, the slowest rank's time; empty unless every rank timed the same launches."""
+    if not per_rank or not per_rank[0] or any(len(t) != len(per_rank[0]) for t in per_rank):
+        return []
+    return [max(ts) for ts in zip(*per_rank)]
 
 
 class _Progress:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field, replace
 
 import torch
 import triton
@@ -78,26 +79,53 @@ class LaunchRecord:
     kernel: str
     programs: int
     sms: int
+    marks: tuple | None = field(default=None, compare=False, repr=False)
+    """Inside ``recorded_launches(timed=True)``: (start, end) around the launch, CUDA events on
+    its stream on a GPU, host clock readings on a CPU (where the interpreter has run the kernel
+    by the time the launch returns)."""
+
+    def elapsed_us(self) -> float | None:
+        """Microseconds between the marks (on a GPU after waiting for the end event); None if
+        the launch was not timed."""
+        if self.marks is None:
+            return None
+        start, end = self.marks
+        if isinstance(start, float):
+            return (end - start) * 1e6
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
 
 
-_recorders: list[list[LaunchRecord]] = []
+_recorders: list[tuple[list[LaunchRecord], bool]] = []  # (records, timed) of each open block
 
 
 @contextlib.contextmanager
-def recorded_launches():
+def recorded_launches(timed: bool = False):
     """Collect a :class:`LaunchRecord` of every :func:`launch` inside the block (this thread's
-    and any other's: use it around one call at a time). Example::
+    and any other's: use it around one call at a time); ``timed``: with marks around each
+    launch (:meth:`LaunchRecord.elapsed_us`; an event pair costs the stream a little, so time
+    the calls themselves outside such a block). Example::
 
         with recorded_launches() as launches:
             transport.combine(y, handle, torch.bfloat16)
         [(r.kernel, r.programs, r.sms) for r in launches]
     """
     records: list[LaunchRecord] = []
-    _recorders.append(records)
+    entry = (records, timed)
+    _recorders.append(entry)
     try:
         yield records
     finally:
-        _recorders.remove(records)
+        _recorders[:] = [e for e in _recorders if e is not entry]  # by identity: equal lists are not the same block
+
+
+def _mark(device: torch.device | str):
+    """A point on the current stream (a recorded CUDA event) or, on a CPU, the host clock."""
+    if torch.device(device).type != "cuda":
+        return time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 def _occupancy(compiled) -> int:
@@ -160,14 +188,17 @@ def launch(kernel, *, work: int, device: torch.device, budget: int | None, resid
         from ._shmem import extern_libs
 
         extra["extern_libs"] = extern_libs()  # NVSHMEM's device library, linked at compile
+    timed = any(t for _, t in _recorders)
+    start = _mark(device) if timed else None
     compiled = kernel[(max(1, grid),)](**args, **meta, num_warps=warps, **extra)
+    marks = (start, _mark(device)) if timed else None
     if key not in _resident and torch.device(device).type == "cuda" and compiled is not None:
         _resident[key] = _occupancy(compiled)
     if _recorders:
         programs = max(1, grid)
         record = LaunchRecord(kernel.fn.__name__, programs, min(sms, programs))
-        for records in _recorders:
-            records.append(record)
+        for records, t in _recorders:
+            records.append(replace(record, marks=marks) if t else record)
 
 
 def remote_meta(cfg) -> dict:
