@@ -641,14 +641,16 @@ def _bound_by_its_sms(budget: int, world_size: int) -> bool:
     """Whether a quantising send under ``budget`` SMs is bound by its SMs' instructions, so
     that its forms in fewer instructions (whole steps, fp8 rows read as words) pay.
 
-    Past that point more SMs hardly help, and the faster forms lose. 4x H200, prefill, us at
-    16 / 20 / 24 / 32 SMs, 8 rows x 2048 channels with fp8 read as bf16 elements: fp8 381.9 /
-    321.6 / 329.5 / 334.7, nvfp4 307.2 / 255.8 / 228.8 / 244.1. Same call, 24 / 16 SMs: fp8
-    331.2 / 378.8 -> 346.5 / 347.0 with whole steps and words (343.8 / 351.0 words alone,
-    348.1 / 366.6 whole steps alone), nvfp4 230.7 / 304.7 -> 254.0 / 273.9 with whole steps.
-    On 2x H200 (half of a send's rows go to a peer, not three quarters) both forms won at 24
-    SMs too: fp8 181.9 -> 171.3, nvfp4 220.6 -> 184.2. Why they lose past the point is not
-    known yet; the rule: budget x (R - 1) / R <= SM_BOUND_PEER_SMS."""
+    4x H200, prefill, same call, us at 24 / 16 SMs: fp8 331.2 / 378.8 -> 346.5 / 347.0 with
+    whole steps and words (343.8 / 351.0 words alone, 348.1 / 366.6 whole steps alone), nvfp4
+    230.7 / 304.7 -> 254.0 / 273.9 with whole steps; 2x H200 (half of a send's rows go to a
+    peer, not three quarters), 24 SMs: both won, fp8 181.9 -> 171.3, nvfp4 220.6 -> 184.2.
+    Past ~20 SMs on 4 GPUs more SMs hardly help (fp8 at 16 / 20 / 24 / 32 SMs: 381.9 / 321.6
+    / 329.5 / 334.7), and there the two forms trade places from one budget to the next (one
+    call: at 20 and 32 SMs the whole steps won for nvfp4, at 32 for fp8), so the rule fits
+    the budgets measured in the same calls, 16 and 24, on 4 and 2 GPUs; why the faster forms
+    lose at 24 SMs on 4 GPUs is not known yet. The rule: budget x (R - 1) / R <=
+    SM_BOUND_PEER_SMS."""
     return budget * (world_size - 1) <= SM_BOUND_PEER_SMS * world_size
 
 
