@@ -55,7 +55,8 @@ _NVFP4_BLOCK = tl.constexpr(NVFP4_BLOCK)
 # or a mask makes each an fp32 (a bf16 conversion takes two instructions; 2x H200, prefill at
 # 24 / 16 SMs: nvfp4 220.3 / 307.4 -> 195.4 / 271.5 us with the ops of kernels.nvfp4.block_scales,
 # fp8 176.2 / 237.2 -> 171.3 / 230.8; unchanged with every SM and for decode): for rows that
-# start 4-byte aligned (kernels.quant.reads_words), else the word loads would fault
+# start 4-byte aligned (kernels.quant.reads_words), else the word loads would fault; fp8's
+# under a budget only where _bound_by_its_sms (on 4x H200 they lost at 24 SMs)
 READ_ELEMENTS, READ_WORDS = tl.constexpr(1), tl.constexpr(2)
 # where the send's slots and ordinals come from (see _own_layout)
 LAYOUT_GIVEN = tl.constexpr(0)  # the caller's DispatchLayout
@@ -261,42 +262,10 @@ def _send_nvfp4_rows(x_row3, toks, tm, rows, oks, anys, bases, mine, off_x, off_
 def _store_fp8_step(base, off_q, off_s, row, ok, q, qc, qm, s, g, gm, H, ALONE: tl.constexpr):
     """A step's fp8 codes and group scales into rows ``row`` [BT, 1] (where ``ok``) of the
     symmetric block at ``base``: q [BT, C] at columns qc (where qm) of rows of codes, e4m3 or
-    int16 pairs of them (:func:`_send_fp8_words`); s [BT, SG] at scale groups g (where gm)."""
+    int16 pairs of them (READ_WORDS); s [BT, SG] at scale groups g (where gm)."""
     PER: tl.constexpr = q.dtype.primitive_bitwidth // 8  # codes per element of q
     tl.store(at_offset(base, off_q, q.dtype) + row * (H // PER) + qc[None, :], q, mask=ok & qm[None, :])
     store_scales(at_offset(base, off_s, tl.float32) + row * (H // _FP8_GROUP) + g[None, :], s, ok & gm, ALONE)
-
-
-@triton.jit
-def _send_fp8_words(x_row, toks, tm, rows, oks, anys, bases, mine, off_x, off_scales, off_sx, off_ss, H,
-                    R_PAD: tl.constexpr, BLOCK_H: tl.constexpr, REMOTE: tl.constexpr, PREFETCH: tl.constexpr,
-                    ALONE: tl.constexpr):
-    """The fp8 steps of :func:`_send_block` for bf16 rows read as int32 words (READ_WORDS;
-    x_row [BT, 1]: the rows' first channels): each word's two e4m3 codes leave as one int16."""
-    SG: tl.constexpr = BLOCK_H // _FP8_GROUP
-    w_row = x_row.to(tl.pointer_type(tl.int32))
-    c0 = tl.arange(0, BLOCK_H // 2)
-    if PREFETCH:  # as the element path: the next step's words load while this one quantises
-        w_next = tl.load(w_row + c0[None, :], mask=tm[:, None] & (c0[None, :] < H // 2), other=0)
-    for h0 in range(0, H, BLOCK_H):
-        wc = h0 // 2 + c0
-        wm = wc < H // 2
-        if PREFETCH:
-            w = w_next
-            w_next = tl.load(w_row + BLOCK_H // 2 + wc[None, :],
-                             mask=tm[:, None] & (wc[None, :] + BLOCK_H // 2 < H // 2), other=0)
-        else:
-            w = tl.load(w_row + wc[None, :], mask=tm[:, None] & wm[None, :], other=0)
-        q, s = quantize_group_words(w, SG)
-        g = h0 // _FP8_GROUP + tl.arange(0, SG)
-        gm = g[None, :] < H // _FP8_GROUP
-        if REMOTE:
-            _store_fp8_step(mine, off_sx, off_ss, toks[:, None].to(tl.int64), tm[:, None], q, wc, wm, s, g, gm, H,
-                            ALONE)
-        for d in tl.static_range(R_PAD):
-            if anys[d]:
-                _store_fp8_step(bases[d], off_x, off_scales, rows[d][:, None], oks[d][:, None], q, wc, wm, s, g, gm,
-                                H, ALONE)
 
 
 @triton.jit
@@ -335,27 +304,33 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
     if NVFP4:
         _send_nvfp4_rows(x_ptr + toks[None, :, None].to(tl.int64) * stride_x, toks, tm, rows, oks, anys, bases, mine,
                          off_x, off_sx, H, R_PAD, BLOCK_H, REMOTE, PREFETCH, NVFP4 == READ_WORDS)
-    elif FP8 == READ_WORDS:
-        _send_fp8_words(x_ptr + toks[:, None].to(tl.int64) * stride_x, toks, tm, rows, oks, anys, bases, mine, off_x,
-                        off_scales, off_sx, off_ss, H, R_PAD, BLOCK_H, REMOTE, PREFETCH, ALONE)
     else:
+        # bf16 or fp8 rows in steps of BLOCK_H channels. fp8 from READ_WORDS rows loads them as
+        # int32 words (PER = 2 channels an element) and stores each word's two codes as one int16
+        WORDS: tl.constexpr = FP8 == READ_WORDS
+        PER: tl.constexpr = 1 + WORDS
         x_row = x_ptr + toks[:, None].to(tl.int64) * stride_x
+        if WORDS:
+            x_row = x_row.to(tl.pointer_type(tl.int32))
         if PREFETCH:
             # the next step's channels load while this step quantises and stores: under an SM
             # budget each program waits on its loads' latency, not on bandwidth
-            c0 = tl.arange(0, BLOCK_H)
-            x_next = tl.load(x_row + c0[None, :], mask=tm[:, None] & (c0[None, :] < H), other=0.0)
+            c0 = tl.arange(0, BLOCK_H // PER)
+            x_next = tl.load(x_row + c0[None, :], mask=tm[:, None] & (c0[None, :] < H // PER), other=0)
         for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            cm = cols < H
+            cols = h0 // PER + tl.arange(0, BLOCK_H // PER)  # of x_row's elements
+            cm = cols < H // PER
             if PREFETCH:
                 x = x_next
-                x_next = tl.load(x_row + BLOCK_H + cols[None, :], mask=tm[:, None] & (cols[None, :] + BLOCK_H < H),
-                                 other=0.0)
+                x_next = tl.load(x_row + BLOCK_H // PER + cols[None, :],
+                                 mask=tm[:, None] & (cols[None, :] + BLOCK_H // PER < H // PER), other=0)
             else:
-                x = tl.load(x_row + cols[None, :], mask=tm[:, None] & cm[None, :], other=0.0)
+                x = tl.load(x_row + cols[None, :], mask=tm[:, None] & cm[None, :], other=0)
             if FP8:
-                q, s = quantize_group(x.to(tl.float32), SG)
+                if WORDS:
+                    q, s = quantize_group_words(x, SG)
+                else:
+                    q, s = quantize_group(x.to(tl.float32), SG)
                 g = h0 // _FP8_GROUP + tl.arange(0, SG)
                 gm = g[None, :] < H // _FP8_GROUP
             if REMOTE:
