@@ -165,23 +165,28 @@ def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, 
     launches = {}
     with t.deferred_checks():  # no host sync inside the timed region
         for i in range(warmup + iters):
-            x, ids, w = inputs[i % sets]
-            s = clock.start()
-            with recorded_launches() as rec:
-                h = t.dispatch(x, ids, w, fused=fused)
-            d_us = clock.stop(s)
-            launches.setdefault("dispatch", [(r.kernel, r.programs, r.sms) for r in rec])
-            y = identity_outputs(h)
-            s = clock.start()
-            with recorded_launches() as rec:
-                t.combine(y, h, torch.bfloat16, fused=fused)
-            c_us = clock.stop(s)
-            launches.setdefault("combine", [(r.kernel, r.programs, r.sms) for r in rec])
-            if i >= warmup:
-                times["dispatch"].append(d_us)
-                times["combine"].append(c_us)
+            for op, (us, rec) in _round_trip(t, clock, inputs[i % sets], fused).items():
+                launches.setdefault(op, [(r.kernel, r.programs, r.sms) for r in rec])
+                if i >= warmup:
+                    times[op].append(us)
         launch_us = launch_times(t, inputs, clock, fused)
     return RankTimes(rank, times, remote, received, err, bad, launches=launches, launch_us=launch_us)
+
+
+def _round_trip(t: Transport, clock: _Clock, inputs: tuple, fused: bool, timed: bool = False) -> dict[str, tuple]:
+    """A dispatch of ``inputs`` (x, ids, weights), then a combine of identity experts' rows,
+    each started after the clock's barrier: per op (microseconds, its launch records; with
+    ``timed``, each launch between a pair of marks)."""
+    x, ids, w = inputs
+    s = clock.start()
+    with recorded_launches(timed) as dispatched:
+        h = t.dispatch(x, ids, w, fused=fused)
+    d_us = clock.stop(s)
+    y = identity_outputs(h)
+    s = clock.start()
+    with recorded_launches(timed) as combined:
+        t.combine(y, h, torch.bfloat16, fused=fused)
+    return {"dispatch": (d_us, dispatched), "combine": (clock.stop(s), combined)}
 
 
 def launch_times(t: Transport, inputs: list, clock: _Clock, fused: bool,
@@ -192,16 +197,8 @@ def launch_times(t: Transport, inputs: list, clock: _Clock, fused: bool,
     slowest peer's send. Empty where nothing is launched through ray_ep's kernels."""
     calls: dict[str, list[list]] = {"dispatch": [], "combine": []}
     for i in range(iters):
-        x, ids, w = inputs[i % len(inputs)]
-        clock.start()
-        with recorded_launches(timed=True) as rec:
-            h = t.dispatch(x, ids, w, fused=fused)
-        calls["dispatch"].append(rec)
-        y = identity_outputs(h)
-        clock.start()
-        with recorded_launches(timed=True) as rec:
-            t.combine(y, h, torch.bfloat16, fused=fused)
-        calls["combine"].append(rec)
+        for op, (_, rec) in _round_trip(t, clock, inputs[i % len(inputs)], fused, timed=True).items():
+            calls[op].append(rec)
     return {op: [statistics.median(r.elapsed_us() for r in same) for same in zip(*recs)]
             for op, recs in calls.items() if recs and all(len(r) == len(recs[0]) for r in recs)}
 
