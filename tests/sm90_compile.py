@@ -10,8 +10,8 @@ device bitcode when ``--bitcode PATH`` (or nvshmem4py) provides it, else skipped
 With --nvfp4 it also compiles the nvfp4 quantise / dequantise kernels and the grouped GEMM that
 unpacks nvfp4 rows (their launches are recorded the same way).
 
-With --fp8-experts it compiles only the expert kernels with fp8 weights (grouped GEMMs and
-the SwiGLU with fp8 output), specialised as the JIT would for the recorded arguments (strides
+With --fp8-experts it compiles only the expert kernels with fp8 weights (grouped GEMMs, the
+Hopper one in Gluon too, and the SwiGLU with fp8 output), specialised as the JIT would for the recorded arguments (strides
 of 1, 16-byte alignment), so the shared memory shows the GEMM's pipeline stages. Each line
 names the tensor-core instructions the kernel uses (wgmma=e4m3 for fp8 operands) and its
 shared memory in bytes.
@@ -171,6 +171,49 @@ def record_fp8_expert_launches() -> list[tuple]:
                         (activation, "_swiglu_kernel")], body)
     finally:
         activation._check_launchable = check
+
+
+def compile_fp8_gemm_sm90(gather: bool):
+    """The Gluon grouped GEMM with fp8 weights (:mod:`ray_ep.kernels.grouped_gemm_sm90`) for
+    sm_90a, rows by TMA or gathered through row ids, specialised as its launch on deepseek-v3's
+    down GEMM would be (D 2048, fp8 wire rows of 2048 + 64 bytes of scales when gathered)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from ray_ep.kernels import grouped_gemm_sm90 as sm90
+
+    L, D, O = 4, 2048, 512
+    a = torch.zeros(1024, D, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(L * O, D, dtype=torch.float8_e4m3fn)
+    ab, bb = [sm90.BLOCK_M.value // 2, sm90.BLOCK_K.value], [sm90.BLOCK_O.value // 2, sm90.BLOCK_K.value]
+
+    def desc(t, block):
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
+
+    i32 = torch.zeros(4, dtype=torch.int32)
+    args = dict(a_desc=None if gather else desc(a, ab), a_ptr=a, stride_am=D + 64 if gather else D,
+                a_scales_ptr=torch.zeros(4), stride_sm=(D + 64) // 4, stride_sd=1, row_ids_ptr=i32,
+                b_desc=desc(b, bb), b_scales_ptr=torch.zeros(4), stride_bsl=64, stride_bsd=4, stride_bso=1,
+                c_ptr=torch.zeros(4, dtype=torch.bfloat16), stride_cm=O, stride_co=1, row_offsets_ptr=i32,
+                num_tokens_ptr=i32, L=5, O=O)
+    meta = dict(D=D, BLOCK_L=64, NUM_STAGES=sm90.STAGES, GATHER=gather,
+                PRODUCER_WARPS=sm90.GATHER_WARPS if gather else 1)
+    kernel = sm90._grouped_gemm_fp8_kernel
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        v = meta[name] if name in meta else args[name]
+        if name in meta or v is None or (isinstance(v, int) and v == 1):  # as the JIT specialises
+            sig[name], constexprs[name] = "constexpr", v
+            continue
+        sig[name] = "i32" if isinstance(v, int) else mangle_type(v)
+        if isinstance(v, torch.Tensor) or (isinstance(v, int) and v % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
 def _wgmma(ptx: str) -> str:
@@ -340,6 +383,20 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - report every kernel
             failed += 1
             print(f"FAIL {kernel.fn.__name__}\n{traceback.format_exc()}")
+    if a.fp8_experts:
+        import re
+
+        for gather in (False, True):
+            try:
+                ck = compile_fp8_gemm_sm90(gather)
+                ptx = ck.asm["ptx"]
+                print(f"OK   _grouped_gemm_fp8_kernel (gluon) gather={gather}, wgmma={_wgmma(ptx)}, "
+                      f"tma={'cp.async.bulk.tensor' in ptx}, "
+                      f"cp_async16={len(re.findall(r'cp[.]async[.]cg[.]shared[.]global [[][^]]*[]], [[][^]]*[]], 0x10', ptx))}, "
+                      f"warp_specialized={'setmaxnreg' in ptx}, shared={ck.metadata.shared}")
+            except Exception:  # noqa: BLE001 - report it
+                failed += 1
+                print(f"FAIL _grouped_gemm_fp8_kernel (gluon) gather={gather}\n{traceback.format_exc()}")
     return 1 if failed else 0
 
 

@@ -357,6 +357,42 @@ def test_grouped_gemm_fp8_weights(a_kind, kmajor):
     torch.testing.assert_close(out[real].float().cpu(), want[real.cpu()].to(torch.bfloat16).float(), **TOL["bf16"])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_sms", [None, 3], ids=["grid-per-sm", "3-programs"])
+@pytest.mark.parametrize("gather", [False, True], ids=["in-place", "gathered"])
+def test_grouped_gemm_fp8_weights_hopper_kernel(gather, num_sms):
+    # prefill shapes on Hopper run the Gluon kernel (ray_ep.kernels.grouped_gemm_sm90): kernel
+    # vs twin over skewed experts (an empty one, one row, several m tiles), padding untouched;
+    # gathered rows are strided fp8 wire rows with their scales beside; 3 programs take many
+    # tiles each (the stage ring's phases carry across tiles)
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for Hopper (sm_90)")
+    from ray_ep.kernels import grouped_gemm_sm90
+
+    gen = torch.Generator().manual_seed(23)
+    counts = [300, 0, 1, 129, 77, 256]
+    offsets, num_tokens, real = make_layout(counts, 128, 5)
+    M, D, O = real.shape[0], 512, 512
+    q, s, _ = fp8_weights(len(counts), D, O, gen)
+    rows = 1500 if gather else M
+    x, xs = reference.quantize_fp8(torch.randn(rows, D, generator=gen).to(torch.bfloat16))
+    wire = torch.zeros(rows, D + 64, dtype=torch.uint8, device=device)  # D fp8 bytes, then scales
+    a = wire[:, :D].view(torch.float8_e4m3fn)
+    a.copy_(x.to(device))
+    a_s = wire[:, D:].view(torch.float32)[:, : D // 128]
+    a_s.copy_(xs.to(device))
+    a_row_ids = None
+    if gather:
+        ids = torch.full((M,), -1, dtype=torch.int32)
+        ids[real.cpu()] = torch.randperm(rows, generator=gen)[: sum(counts)].to(torch.int32)
+        a_row_ids = ids.to(device)
+    else:
+        a, a_s = a[:M], a_s[:M]
+    assert grouped_gemm_sm90.usable(a=a, b_LDO=q, rows_per_expert=M // len(counts))
+    check("bf16", real, a=a, a_scales=a_s, b_LDO=q, b_scales=s, row_offsets_L1=offsets, num_tokens_L=num_tokens,
+          a_row_ids=a_row_ids, num_sms=num_sms)
+
+
 def test_grouped_gemm_fp8_weights_quantises_a_like_fp8_dispatch():
     # bf16 rows with fp8 weights give exactly what their fp8 dispatch (quantize_fp8) gives:
     # quantize_rows_fp8 uses the same bits. Kernel and twin each, bit for bit.

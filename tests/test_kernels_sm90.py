@@ -93,7 +93,7 @@ def test_fp8_expert_kernels_compile_to_fp8_tensor_cores():
     # grouped GEMMs with fp8 weights over fp8, bf16 and nvfp4 rows; SwiGLU with bf16 and fp8
     # output. The GEMMs must multiply on Hopper's fp8 tensor cores (wgmma with e4m3 operands)
     out = _compile("--fp8-experts")
-    lines = [line for line in out.splitlines() if line.startswith("OK")]
+    lines = [line for line in out.splitlines() if line.startswith("OK") and "(gluon)" not in line]
     gemms = [line for line in lines if "_grouped_gemm_kernel" in line]
     # bf16 and nvfp4 rows per expert row; bf16 rows per receive region
     quantise = [line for line in lines if "_convert_rows_kernel" in line]
@@ -106,3 +106,11 @@ def test_fp8_expert_kernels_compile_to_fp8_tensor_cores():
     # the fp8 A tiles). Measured: 96 KB for 64-row tiles, 128 KB for 128-row ones
     shared = [int(line.rsplit("shared=", 1)[1]) for line in gemms]
     assert all(b >= 3 * 16 * 1024 for b in shared), out
+    # the Hopper kernel in Gluon: fp8 tensor cores, warp-specialised, weights by TMA; rows by
+    # TMA in place, or gathered by 16-byte async copies; 4 stages of 48 KB
+    gluon = [line for line in out.splitlines() if line.startswith("OK") and "(gluon)" in line]
+    assert len(gluon) == 2, out
+    assert all("wgmma=e4m3" in line and "tma=True" in line and "warp_specialized=True" in line for line in gluon), out
+    gathered = [line for line in gluon if "gather=True" in line]
+    assert len(gathered) == 1 and int(gathered[0].split("cp_async16=")[1].split(",")[0]) >= 8, out
+    assert all(int(line.rsplit("shared=", 1)[1]) >= 4 * 48 * 1024 for line in gluon), out

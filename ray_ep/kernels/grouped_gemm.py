@@ -32,6 +32,9 @@ own: quantising inside the GEMM's A load redid it for every output tile (32 time
 deepseek-v3's gate_up) and spilled registers: 16.2 ms against 3.2 ms for fp8 rows (one H200,
 gate_up of 64 experts x 512 rows); the pass reads and writes each row once.
 
+On a Hopper GPU, fp8 weights on prefill shapes run :mod:`ray_ep.kernels.grouped_gemm_sm90`
+instead (the same sums, warp-specialised in Gluon; see there).
+
 ``row_offsets`` / ``num_tokens`` stay on the device:
 the grid covers the worst case and each program finds its (expert, m tile, n tile) from
 ``num_tokens``, so the host never waits. A tile never spans two experts.
@@ -55,6 +58,7 @@ from ..nvfp4 import dequantize_nvfp4_torch
 from ..validation import check_tensor
 from ._util import interpreted, num_sms as sm_count
 from ..fp8 import quantize_fp8_torch
+from . import grouped_gemm_sm90 as sm90
 from .nvfp4 import unpack_nvfp4_tile
 from .quant import quantize_group
 
@@ -505,6 +509,10 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     elif not b_fp8 and a.dtype != torch.bfloat16:  # bf16 tensor cores take bf16 rows: decode once
         a, a_scales = decode_rows_bf16(a=a, a_scales=a_scales, row_offsets_L1=row_offsets_L1,
                                        num_tokens_L=num_tokens_L, a_row_ids=a_row_ids, a_regions=a_regions), None
+    if b_fp8 and sm90.usable(a=a, b_LDO=b_LDO, rows_per_expert=M // L):  # Hopper, prefill shapes
+        return sm90.grouped_gemm_fp8_sm90(a=a, a_scales=a_scales, a_row_ids=a_row_ids, b_LDO=b_LDO, b_scales=b_scales,
+                                          row_offsets_L1=row_offsets_L1, num_tokens_L=num_tokens_L, out=out,
+                                          num_sms=num_sms)
     cfg = _launch_config(dev, b_fp8=b_fp8, rows_per_expert=M // L, depth=D)
     bm, bo = cfg["BLOCK_M"], cfg["BLOCK_O"]
     # sum_e ceil(n_e / BM) <= (sum_e n_e + L (BM - 1)) / BM, and every tile holds >= 1 row
