@@ -189,7 +189,7 @@ def compile_fp8_gemm_sm90(gather: bool):
     L, D, O = 4, 2048, 512
     a = torch.zeros(1024, D, dtype=torch.float8_e4m3fn)
     b = torch.zeros(L * O, D, dtype=torch.float8_e4m3fn)
-    ab, bb = [sm90.BLOCK_M.value // 2, sm90.BLOCK_K.value], [sm90.BLOCK_O.value // 2, sm90.BLOCK_K.value]
+    ab, bb = [sm90.HALF_M.value, sm90.BLOCK_K.value], [sm90.HALF_O.value, sm90.BLOCK_K.value]
 
     def desc(t, block):
         return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))

@@ -47,12 +47,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..config import FP8_GROUP
 
 STAGES = 4  # 4 x 48 KB of shared memory (3 ran within 1%)
-GATHER_WARPS = 4  # producer warps when rows are gathered (1 when TMA brings them)
+GATHER_WARPS = 4  # producer warps gathering rows (1 when TMA brings them); not swept: gathered ran within 3% of in place
 # the tile (constants of the kernels): 64 rows per consumer warpgroup, two weight-scale blocks
 # of columns, one activation and one weight scale per K block
 BLOCK_M = gl.constexpr(128)
 BLOCK_O = gl.constexpr(256)
 BLOCK_K = gl.constexpr(FP8_GROUP)
+HALF_M = gl.constexpr(BLOCK_M.value // 2)  # a consumer's rows
+HALF_O = gl.constexpr(BLOCK_O.value // 2)  # a wgmma's columns (one weight-scale block)
 # registers per thread: a consumer holds 2 x 64 of accumulator and 64 of partial product
 CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
@@ -112,15 +114,13 @@ def _producer(a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, nu
     NUM_STAGES: gl.constexpr = meta[2]
     GATHER: gl.constexpr = meta[3]
     NW: gl.constexpr = meta[4]
-    HALF: gl.constexpr = BLOCK_M // 2
-    BHALF: gl.constexpr = BLOCK_O // 2
     experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L, total = _tiles(num_tokens_ptr, L, O, BLOCK_L, BLOCK_M,
                                                                       BLOCK_O, NW)
     if GATHER:
         nbytes: gl.constexpr = 2 * b_desc.block_type.nbytes
         # 16 bytes (a cp.async) per thread: a warp covers 4 rows of 128 channels
         rows_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
-        rr = gl.arange(0, HALF, layout=gl.SliceLayout(1, rows_l))
+        rr = gl.arange(0, HALF_M, layout=gl.SliceLayout(1, rows_l))
         cc = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, rows_l))
     else:
         nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
@@ -133,7 +133,7 @@ def _producer(a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, nu
         if GATHER:
             m0 = m_tile * BLOCK_M + rr
             src0 = gl.load(row_ids_ptr + row0 + rr, mask=m0 < tokens, other=-1).to(gl.int64)
-            src1 = gl.load(row_ids_ptr + row0 + HALF + rr, mask=m0 + HALF < tokens, other=-1).to(gl.int64)
+            src1 = gl.load(row_ids_ptr + row0 + HALF_M + rr, mask=m0 + HALF_M < tokens, other=-1).to(gl.int64)
             ptr0 = a_ptr + src0[:, None] * stride_am + cc[None, :]
             ptr1 = a_ptr + src1[:, None] * stride_am + cc[None, :]
             ok0 = (src0 >= 0)[:, None]
@@ -148,10 +148,10 @@ def _producer(a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, nu
                 async_copy.mbarrier_arrive(bar, increment_count=False)  # each thread, once its copies land
             else:
                 tma.async_copy_global_to_shared(a_desc, [row0, k * BLOCK_K], bar, a0_bufs.index(s))
-                tma.async_copy_global_to_shared(a_desc, [row0 + HALF, k * BLOCK_K], bar, a1_bufs.index(s))
+                tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k * BLOCK_K], bar, a1_bufs.index(s))
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(b_desc, [brow, k * BLOCK_K], bar, b0_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [brow + BHALF, k * BLOCK_K], bar, b1_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [brow + HALF_O, k * BLOCK_K], bar, b1_bufs.index(s))
             i += 1
         tile += gl.num_programs(0)
 
@@ -167,21 +167,19 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
     NUM_STAGES: gl.constexpr = meta[2]
     GATHER: gl.constexpr = meta[3]
     PART: gl.constexpr = meta[5]
-    HALF: gl.constexpr = BLOCK_M // 2
-    BHALF: gl.constexpr = BLOCK_O // 2
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BHALF, 32])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_O, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
     experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L, total = _tiles(num_tokens_ptr, L, O, BLOCK_L, BLOCK_M,
                                                                       BLOCK_O, 4)
     # each wgmma overwrites the registers of the partial product scaled just before (use_acc
     # False): no zero tile to set up per K block
-    part = gl.zeros([HALF, BHALF], gl.float32, mma)
+    part = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
     i = 0
     tile = gl.program_id(0)
     while tile < total:
         e, m_tile, o_tile, tokens = _tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L)
-        offs_m = m_tile * BLOCK_M + PART * HALF + gl.arange(0, HALF, layout=rows_l)
+        offs_m = m_tile * BLOCK_M + PART * HALF_M + gl.arange(0, HALF_M, layout=rows_l)
         m_mask = offs_m < tokens
         rows = (gl.load(row_offsets_ptr + e) + offs_m).to(gl.int64)
         if GATHER:
@@ -191,8 +189,8 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
         sa_ptrs = a_scales_ptr + src * stride_sm
         sa_mask = m_mask & (src >= 0)
         sb_ptr = b_scales_ptr + e.to(gl.int64) * stride_bsl + (o_tile * (BLOCK_O // BLOCK_K)) * stride_bso
-        acc0 = gl.zeros([HALF, BHALF], gl.float32, mma)
-        acc1 = gl.zeros([HALF, BHALF], gl.float32, mma)
+        acc0 = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
+        acc1 = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
         for k in range(D // BLOCK_K):
             s = i % NUM_STAGES
             sa = gl.load(sa_ptrs + k * stride_sd, mask=sa_mask, other=0.0)
@@ -209,10 +207,10 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
             mbarrier.arrive(empty.index(s), count=1)
             acc1 += part * (sa * sb1)[:, None]
             i += 1
-        offs_o = o_tile * BLOCK_O + gl.arange(0, BHALF, layout=cols_l)
+        offs_o = o_tile * BLOCK_O + gl.arange(0, HALF_O, layout=cols_l)
         c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_o[None, :] * stride_co
         gl.store(c_ptrs, acc0.to(gl.bfloat16), mask=m_mask[:, None])
-        gl.store(c_ptrs + BHALF * stride_co, acc1.to(gl.bfloat16), mask=m_mask[:, None])
+        gl.store(c_ptrs + HALF_O * stride_co, acc1.to(gl.bfloat16), mask=m_mask[:, None])
         tile += gl.num_programs(0)
 
 
@@ -222,13 +220,12 @@ def _grouped_gemm_fp8_kernel(a_desc, a_ptr, stride_am, a_scales_ptr, stride_sm, 
                              row_offsets_ptr, num_tokens_ptr, L, O,
                              D: gl.constexpr, BLOCK_L: gl.constexpr, NUM_STAGES: gl.constexpr,
                              GATHER: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
-    HALF: gl.constexpr = BLOCK_M // 2
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_K], gl.float8e4nv)
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.float8e4nv)
     b_layout: gl.constexpr = b_desc.layout
-    a0_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF, BLOCK_K], a_layout)
-    a1_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF, BLOCK_K], a_layout)
-    b0_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_O // 2, BLOCK_K], b_layout)
-    b1_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_O // 2, BLOCK_K], b_layout)
+    a0_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF_M, BLOCK_K], a_layout)
+    a1_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF_M, BLOCK_K], a_layout)
+    b0_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF_O, BLOCK_K], b_layout)
+    b1_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF_O, BLOCK_K], b_layout)
     full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
@@ -254,7 +251,7 @@ def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids:
     program per SM (or ``num_sms`` of them) over the tiles, found on the device."""
     L, D, O = b_LDO.shape
     gather = a_row_ids is not None
-    a_block, b_block = [BLOCK_M.value // 2, BLOCK_K.value], [BLOCK_O.value // 2, BLOCK_K.value]
+    a_block, b_block = [HALF_M.value, BLOCK_K.value], [HALF_O.value, BLOCK_K.value]
     a_desc = None if gather else TensorDescriptor.from_tensor(
         a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.float8e4nv))
     b_desc = TensorDescriptor.from_tensor(b_LDO.transpose(1, 2).reshape(L * O, D), b_block,
