@@ -177,12 +177,8 @@ def compile_fp8_gemm_sm90(gather: bool):
     """The Gluon grouped GEMM with fp8 weights (:mod:`ray_ep.kernels.grouped_gemm_sm90`) for
     sm_90a, rows by TMA or gathered through row ids, specialised as its launch on deepseek-v3's
     down GEMM would be (D 2048, fp8 wire rows of 2048 + 64 bytes of scales when gathered)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
 
     from ray_ep.kernels import grouped_gemm_sm90 as sm90
 
@@ -202,18 +198,7 @@ def compile_fp8_gemm_sm90(gather: bool):
                 num_tokens_ptr=i32, L=5, O=O)
     meta = dict(D=D, BLOCK_L=64, NUM_STAGES=sm90.STAGES, GATHER=gather,
                 PRODUCER_WARPS=sm90.GATHER_WARPS if gather else 1)
-    kernel = sm90._grouped_gemm_fp8_kernel
-    sig, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        v = meta[name] if name in meta else args[name]
-        if name in meta or v is None or (isinstance(v, int) and v == 1):  # as the JIT specialises
-            sig[name], constexprs[name] = "constexpr", v
-            continue
-        sig[name] = "i32" if isinstance(v, int) else mangle_type(v)
-        if isinstance(v, torch.Tensor) or (isinstance(v, int) and v % 16 == 0):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return compile_sm90(sm90._grouped_gemm_fp8_kernel, args, meta, None, {"num_warps": 4}, specialize=True)
 
 
 def _wgmma(ptx: str) -> str:
@@ -295,6 +280,9 @@ def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None =
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.runtime.jit import mangle_type
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     sig, constexprs, attrs = {}, {}, {}
@@ -308,6 +296,8 @@ def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None =
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(a, TensorDescriptor):  # a bulk-copy (TMA) descriptor of tiles
             sig[name] = f"tensordesc<{_DTYPES[a.base.dtype]}{list(a.block_shape)}>"
+        elif isinstance(a, GluonDescriptor):  # the same with its shared-memory layout
+            sig[name] = mangle_type(a)
         elif a is None:
             sig[name] = "constexpr"
             constexprs[name] = None
@@ -325,7 +315,8 @@ def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None =
     opts = {"num_warps": 4, **(options or {})}
     if meta.get("REMOTE"):
         opts["extern_libs"] = {"libnvshmem_device": bitcode}
-    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
+    source = GluonASTSource if kernel.is_gluon() else ASTSource
+    return triton.compile(source(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 

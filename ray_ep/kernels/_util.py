@@ -271,3 +271,14 @@ def timeouts(cfg) -> tuple[int, int]:
     """(timeout_ns for the GPU timer, max polls for the interpreter, ~1 ms each there) of a
     receive that waits for its peers."""
     return int(cfg.recv_timeout_s * 1e9), max(1, int(cfg.recv_timeout_s * 1000))
+
+
+@triton.jit
+def tile_in_group(tile, tiles_G, tile_ends_G, groups):
+    """(group g, g's tile index) of a flat ``tile`` index over the groups' tiles laid end to end
+    (``tiles_G`` per group, ``tile_ends_G`` their inclusive cumsum, ``groups`` = arange): the
+    persistent loops' map from a tile to its expert or receive region, in the grouped GEMMs
+    (Triton, and Gluon through ``gluon.jit(tile_in_group.fn)``). A group with no tiles ends
+    where the one before it does, so the count skips it."""
+    g = tl.sum((tile_ends_G <= tile).to(tl.int32), axis=0)
+    return g, tile - tl.sum(tl.where(groups == g, tile_ends_G - tiles_G, 0), axis=0)

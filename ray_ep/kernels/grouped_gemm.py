@@ -56,7 +56,7 @@ from ..config import FP8_GROUP, NVFP4_BLOCK
 from ..errors import EPInputError
 from ..nvfp4 import dequantize_nvfp4_torch
 from ..validation import check_tensor
-from ._util import interpreted, num_sms as sm_count
+from ._util import interpreted, num_sms as sm_count, tile_in_group
 from ..fp8 import quantize_fp8_torch
 from . import grouped_gemm_sm90 as sm90
 from .nvfp4 import unpack_nvfp4_tile
@@ -64,16 +64,6 @@ from .quant import quantize_group
 
 A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.uint8)  # uint8: nvfp4, two codes per byte
 B_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-
-
-@triton.jit
-def _tile_in_group(tile, tiles_G, tile_ends_G, groups):
-    """(group g, g's tile index) of a flat ``tile`` index over the groups' tiles laid end to end
-    (``tiles_G`` per group, ``tile_ends_G`` their inclusive cumsum, ``groups`` = arange): the
-    persistent loops' map from a tile to its expert or receive region. A group with no tiles
-    ends where the one before it does, so the count skips it."""
-    g = tl.sum((tile_ends_G <= tile).to(tl.int32), axis=0)
-    return g, tile - tl.sum(tl.where(groups == g, tile_ends_G - tiles_G, 0), axis=0)
 
 
 @triton.jit
@@ -105,7 +95,7 @@ def _grouped_gemm_kernel(
     tile = pid
     # persistent loop (a while: its bound lives on the device); one pass when grid = worst case
     while tile < total_tiles:
-        e, local = _tile_in_group(tile, tiles_L, tile_ends_L, experts)
+        e, local = tile_in_group(tile, tiles_L, tile_ends_L, experts)
         this = experts == e
         m_tiles = tl.sum(tl.where(this, m_tiles_L, 0), axis=0)
         tokens = tl.sum(tl.where(this, tokens_L, 0), axis=0)
@@ -208,7 +198,7 @@ def _convert_rows_kernel(
     # persistent over the row tiles (a bound that lives on the device)
     while tile < num_tiles:
         if BY_REGION:
-            s, local = _tile_in_group(tile, tiles_L, tile_ends_L, groups)
+            s, local = tile_in_group(tile, tiles_L, tile_ends_L, groups)
             i = local * BLOCK_R + tl.arange(0, BLOCK_R)
             ok = i < tl.sum(tl.where(groups == s, counts, 0), axis=0)
             src = s.to(tl.int64) * N + i

@@ -45,6 +45,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_GROUP
+from ._util import tile_in_group
+
+_tile_in_group = gluon.jit(tile_in_group.fn)  # the Triton kernels' map, compiled as Gluon
 
 STAGES = 4  # 4 x 48 KB of shared memory (3 ran within 1%)
 GATHER_WARPS = 4  # producer warps gathering rows (1 when TMA brings them); not swept: gathered ran within 3% of in place
@@ -97,9 +100,8 @@ def _tiles(num_tokens_ptr, L, O, BLOCK_L: gl.constexpr, BM: gl.constexpr, BO: gl
 def _tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L):
     """(expert, m tile, o tile, the expert's real rows) of a flat tile index; inside an expert m
     runs fastest, so programs in flight share a weight slice (as the Triton kernel orders them)."""
-    e = gl.sum((tile_ends_L <= tile).to(gl.int32), axis=0)
+    e, local = _tile_in_group(tile, tiles_L, tile_ends_L, experts)
     this = experts == e
-    local = tile - gl.sum(gl.where(this, tile_ends_L - tiles_L, 0), axis=0)
     m_tiles = gl.sum(gl.where(this, m_tiles_L, 0), axis=0)
     o_tile = local // m_tiles
     return e, local - o_tile * m_tiles, o_tile, gl.sum(gl.where(this, tokens_L, 0), axis=0)
