@@ -102,6 +102,37 @@ def test_swiglu_total_rows_bounds_real_rows():
     assert int(real.sum()) == 73
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_swiglu_programs_loop_over_row_blocks(monkeypatch, fp8):
+    """The grid is what the SMs hold, not a program per row block: with one program per SM,
+    each takes many blocks in turn, up to total_rows (read on the device), padding and the
+    rows past it untouched."""
+    from ray_ep.kernels import activation
+
+    monkeypatch.setattr(activation, "PROGRAMS_PER_SM", 1)
+    gen = torch.Generator().manual_seed(7 + fp8)
+    offsets, row_ids = make_layout([300, 0, 41, 257], 8, 50, gen)
+    F = 256 if fp8 else 72
+    h = rand_h(row_ids.shape[0], F, gen)
+    total = offsets[-1:] - 16  # past total_rows: the last expert's 7 padding rows and its last 9 rows
+    if not fp8:
+        out, real = run_both(h, row_ids, total)
+        assert int(real.sum()) == 300 + 41 + 257 - 9
+        return
+    M = row_ids.shape[0]
+    outs = []
+    for fn in (swiglu, swiglu_torch):
+        q = torch.full((M, F), FP8_SENTINEL, device=device).to(torch.float8_e4m3fn)
+        s = torch.full((M, F // 128), FP8_SENTINEL, device=device)
+        fn(h_M2F=h, row_ids_M=row_ids, total_rows=total, out=q, out_scales=s)
+        outs.append((q, s))
+    real = (torch.arange(M, device=device) < total.long()) & (row_ids >= 0)
+    for q, s in outs:
+        assert bool((q[~real].float() == FP8_SENTINEL).all()) and bool((s[~real] == FP8_SENTINEL).all())
+    deq = [reference.dequantize_fp8(q[real].cpu(), s[real].cpu()) for q, s in outs]
+    torch.testing.assert_close(deq[0], deq[1], atol=1e-6, rtol=2**-3)
+
+
 def test_swiglu_non_contiguous():
     # h is a column slice of a wider buffer, out a transposed view: the launcher passes strides
     gen = torch.Generator().manual_seed(4)

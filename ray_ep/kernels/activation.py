@@ -6,7 +6,7 @@ Legend: M_max rows of the expert-major buffer (padding included), F expert inter
 ``a[m] = bf16(silu(gate[m]) * up[m])`` in fp32 arithmetic, for every real row m. A row is
 real iff ``m < total_rows`` and ``row_ids_M[m] >= 0``; padding rows are neither read nor
 written. ``total_rows`` (= ``row_offsets[L]``) lives on the device, so the launcher never
-waits on the host: its grid covers all M_max rows and blocks past ``total_rows`` exit.
+waits on the host: a grid the SMs hold loops over the row blocks below ``total_rows``.
 
 Example (F = 1, M_max = 4, total_rows = [3], row_ids = [0, -1, 5, 9])::
 
@@ -28,7 +28,7 @@ from ..config import FP8_GROUP
 from ..errors import EPInputError
 from ..fp8 import quantize_fp8_torch
 from ..validation import check_tensor
-from ._util import interpreted, tile_shape
+from ._util import interpreted, num_sms, tile_shape
 from .quant import quantize_group
 
 
@@ -36,34 +36,33 @@ from .quant import quantize_group
 def _swiglu_kernel(h_ptr, a_ptr, s_ptr, row_ids_ptr, total_rows_ptr, F,
                    stride_hm, stride_hf, stride_am, stride_af, stride_sm, stride_sg,
                    BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr):
-    pid_m = tl.program_id(0)
+    """Blocks of BLOCK_M rows x BLOCK_F channels (axis 1 of the grid: the channel block),
+    every program looping over the row blocks below ``total_rows`` (read on the device)."""
     pid_f = tl.program_id(1)
     total = tl.load(total_rows_ptr)
-    # the grid covers M_max rows; blocks past the real rows leave at once (no host sync)
-    if pid_m * BLOCK_M >= total:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_range = rows < total
-    ids = tl.load(row_ids_ptr + rows, mask=in_range, other=-1)
-    real = in_range & (ids >= 0)
     cols = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = real[:, None] & (cols[None, :] < F)
-    # int64 rows: M_max * stride can pass 2^31
-    rows64 = rows.to(tl.int64)
-    gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hf
-    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + F * stride_hf, mask=mask, other=0.0).to(tl.float32)
-    a = gate * tl.sigmoid(gate) * up
-    a_ptrs = a_ptr + rows64[:, None] * stride_am + cols[None, :] * stride_af
-    if FP8:
-        # BLOCK_F is a multiple of 128 and F too: every group of the tile is whole
-        q, scales = quantize_group(a, BLOCK_F // GROUP)
-        tl.store(a_ptrs, q, mask=mask)
-        groups = pid_f * (BLOCK_F // GROUP) + tl.arange(0, BLOCK_F // GROUP)
-        tl.store(s_ptr + rows64[:, None] * stride_sm + groups[None, :] * stride_sg, scales,
-                 mask=real[:, None] & (groups[None, :] < F // GROUP))
-    else:
-        tl.store(a_ptrs, a.to(a_ptr.dtype.element_ty), mask=mask)
+    for blk in range(tl.program_id(0), tl.cdiv(total, BLOCK_M), tl.num_programs(0)):
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_range = rows < total
+        ids = tl.load(row_ids_ptr + rows, mask=in_range, other=-1)
+        real = in_range & (ids >= 0)
+        mask = real[:, None] & (cols[None, :] < F)
+        # int64 rows: M_max * stride can pass 2^31
+        rows64 = rows.to(tl.int64)
+        gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hf
+        gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_ptrs + F * stride_hf, mask=mask, other=0.0).to(tl.float32)
+        a = gate * tl.sigmoid(gate) * up
+        a_ptrs = a_ptr + rows64[:, None] * stride_am + cols[None, :] * stride_af
+        if FP8:
+            # BLOCK_F is a multiple of 128 and F too: every group of the tile is whole
+            q, scales = quantize_group(a, BLOCK_F // GROUP)
+            tl.store(a_ptrs, q, mask=mask)
+            groups = pid_f * (BLOCK_F // GROUP) + tl.arange(0, BLOCK_F // GROUP)
+            tl.store(s_ptr + rows64[:, None] * stride_sm + groups[None, :] * stride_sg, scales,
+                     mask=real[:, None] & (groups[None, :] < F // GROUP))
+        else:
+            tl.store(a_ptrs, a.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_swiglu(h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Tensor,
@@ -91,6 +90,25 @@ def _check_swiglu(h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torc
             raise EPInputError("an fp8 out needs out_scales [M_max, F / 128] fp32")
         check_tensor("out", out, shape=(M, F), dtypes=(torch.bfloat16,), device=dev)
     return M, F
+
+
+# programs per SM of the SwiGLU's grid, and the channels of a row each takes per block (one
+# H200, fp8 output, F 2048, 32.6k real rows of 65k / 131k capacity rows, us: a program per
+# capacity row x 1024 channels (before) 176 / 289; looping, 1 row x 2048 channels at 4 warps and
+# 16 programs per SM 130 / 163; 1 x 1024 at 16 145 / 179; 2 x 1024 at 16 137 / 168; 2 x 2048 at
+# 8 warps and 8 per SM 144 / 172; 4 x 2048 at 8 warps and 4 per SM 161 / 195)
+PROGRAMS_PER_SM = 16
+BLOCK_CHANNELS = 2048
+
+
+def _tile(F: int, device: torch.device, fp8: bool) -> tuple[int, int, int]:
+    """(rows, channels, warps) of a SwiGLU block: on a GPU one row's BLOCK_CHANNELS at 4
+    warps (16 channels a thread), in the interpreter its tile_shape (many rows per op)."""
+    multiple = FP8_GROUP if fp8 else 8
+    if interpreted():
+        rows, channels = tile_shape(F, device, multiple=multiple)
+        return rows, channels, 4
+    return 1, max(multiple, min(BLOCK_CHANNELS, triton.next_power_of_2(F))), 4
 
 
 def _check_launchable(device: torch.device) -> None:
@@ -132,13 +150,17 @@ def swiglu(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Te
     # 1-D index vectors are tiny: a contiguous copy (on the device, no sync) keeps the kernel simple
     row_ids_M = row_ids_M.contiguous()
     fp8 = out_scales is not None
-    block_m, block_f = tile_shape(F, h_M2F.device, multiple=FP8_GROUP if fp8 else 8)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(F, block_f))
+    block_m, block_f, warps = _tile(F, h_M2F.device, fp8)
+    f_blocks = triton.cdiv(F, block_f)
+    # a grid the SMs hold, looping over the real rows (known on the device only): a program per
+    # capacity row, most of them leaving at once, cost more than the rows (see PROGRAMS_PER_SM)
+    programs = max(1, min(triton.cdiv(M, block_m), num_sms(h_M2F.device) * PROGRAMS_PER_SM // f_blocks))
+    grid = (programs, f_blocks)
     s = out_scales if fp8 else out  # dummy pointer when unused
     _swiglu_kernel[grid](h_ptr=h_M2F, a_ptr=out, s_ptr=s, row_ids_ptr=row_ids_M, total_rows_ptr=total_rows, F=F,
                          stride_hm=h_M2F.stride(0), stride_hf=h_M2F.stride(1), stride_am=out.stride(0),
                          stride_af=out.stride(1), stride_sm=s.stride(0), stride_sg=s.stride(1),
-                         BLOCK_M=block_m, BLOCK_F=block_f, FP8=fp8, GROUP=FP8_GROUP, num_warps=4)
+                         BLOCK_M=block_m, BLOCK_F=block_f, FP8=fp8, GROUP=FP8_GROUP, num_warps=warps)
     return out
 
 
