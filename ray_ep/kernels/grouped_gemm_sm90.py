@@ -12,8 +12,7 @@ summed in the same order as the Triton kernel (the same bits).
 
 Why a kernel of its own: the Triton kernel multiplies a K block, waits for the tensor cores,
 then scales the partial product into the accumulator, with all 8 warps in step (a barrier per K
-block), so the tensor cores idle during every scaling; and its 128 x 128 tile reads 32 KB from
-L2 per 4.2 MFLOP. Here (per persistent program, one per SM):
+block), so the tensor cores idle during every scaling. Here (per persistent program, one per SM):
 
 - one producer partition fills a ring of ``STAGES`` shared-memory stages: the weight tile by
   bulk copies (TMA), the 128 rows by TMA when they lie in place, or gathered through the row
@@ -21,13 +20,14 @@ L2 per 4.2 MFLOP. Here (per persistent program, one per SM):
 - two consumer warpgroups own rows 0-63 and 64-127 of a 128 x 256 tile. Each multiplies a K
   block in two halves of 128 columns (one weight scale each), waits for its own wgmma, scales
   the half into its accumulator, and frees the stage with an mbarrier arrive. Nothing else
-  synchronises them, so one warpgroup's scaling runs while the other's wgmma does;
-- the 256-column tile reads 48 KB per 8.4 MFLOP.
+  synchronises them, so one warpgroup's scaling runs while the other's wgmma does.
 
 One H200, 64 experts x ~512 fp8 rows in place (deepseek-v3 on 4 ranks), against the Triton
 kernel in the same run: gate_up (D 7168, O 4096) 2389 -> 1946 us (775 -> 951 TFLOP/s), down
 (D 2048, O 7168) 1414 -> 1123 us (655 -> 824). A 128 x 128 tile with the same two warpgroups ran
-2374 / 1336 us: the L2 traffic of the smaller tile, not only the waits, held the Triton kernel.
+2374 / 1336 us. What bounds this one is the consumers' own work, not its loads (docs/perf.md
+v29: without either operand's loads it ran 3-11% faster, without its epilogue stores 15-33%):
+the epilogue, stored while neither warpgroup multiplies, and the scaling.
 
 Gluon kernels do not run in Triton's CPU interpreter: elsewhere the Triton kernel (or its twin)
 runs. :func:`usable` says when this one applies.
