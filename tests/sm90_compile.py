@@ -201,6 +201,25 @@ def compile_fp8_gemm_sm90(gather: bool):
     return compile_sm90(sm90._grouped_gemm_fp8_kernel, args, meta, None, {"num_warps": 4}, specialize=True)
 
 
+def _spill_bytes(ptx: str) -> int:
+    """Bytes the register allocator spills (ptxas -v on the kernel's PTX, sm_90a): the Gluon
+    GEMM's consumers run at the edge of their registers, and spills there cost more than the
+    kernel gains (an epilogue that spilled 1156 bytes ran 2.3-2.8x slower, docs/perf.md v29)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    return int(re.search(r"(\d+) bytes spill stores", out).group(1))
+
+
 def _wgmma(ptx: str) -> str:
     """The operand type of the Hopper tensor-core instructions in ``ptx`` (e4m3, bf16), or no."""
     import re
@@ -384,7 +403,8 @@ def main() -> int:
                 print(f"OK   _grouped_gemm_fp8_kernel (gluon) gather={gather}, wgmma={_wgmma(ptx)}, "
                       f"tma={'cp.async.bulk.tensor' in ptx}, "
                       f"cp_async16={len(re.findall(r'cp[.]async[.]cg[.]shared[.]global [[][^]]*[]], [[][^]]*[]], 0x10', ptx))}, "
-                      f"warp_specialized={'setmaxnreg' in ptx}, shared={ck.metadata.shared}")
+                      f"warp_specialized={'setmaxnreg' in ptx}, spill_bytes={_spill_bytes(ptx)}, "
+                      f"shared={ck.metadata.shared}")
             except Exception:  # noqa: BLE001 - report it
                 failed += 1
                 print(f"FAIL _grouped_gemm_fp8_kernel (gluon) gather={gather}\n{traceback.format_exc()}")

@@ -114,3 +114,5 @@ def test_fp8_expert_kernels_compile_to_fp8_tensor_cores():
     gathered = [line for line in gluon if "gather=True" in line]
     assert len(gathered) == 1 and int(gathered[0].split("cp_async16=")[1].split(",")[0]) >= 8, out
     assert all(int(line.rsplit("shared=", 1)[1]) >= 4 * 48 * 1024 for line in gluon), out
+    # at most a few words of spills (16 bytes in place, 48 gathering, at the time of writing)
+    assert all(int(line.split("spill_bytes=")[1].split(",")[0]) <= 64 for line in gluon), out
