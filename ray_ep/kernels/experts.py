@@ -184,7 +184,9 @@ def shared_experts(x_TH: torch.Tensor, experts: LocalExperts, out: torch.Tensor 
     ``out``: an fp32 [T, H] tensor to write the sum into (e.g. one allocated on the stream that
     reads it, while this runs on another); None: a new one.
 
-    Dense bf16 GEMMs with fp32 accumulation (cuBLAS on GPUs), rounding like the reference."""
+    Dense bf16 GEMMs with fp32 accumulation (cuBLAS on GPUs), rounding like the reference; on
+    GPUs the SwiGLU between them is :func:`ray_ep.kernels.activation.swiglu` (fp32, its sigmoid
+    may differ from torch's in the last bit, as for the routed experts)."""
     S = experts.shared_down_SFH.shape[0]
     if S == 0:
         return None
