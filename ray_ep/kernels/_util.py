@@ -267,6 +267,13 @@ def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str,
     return rows, step, COMM_WARPS * rows
 
 
+def tma_addressable(t: torch.Tensor) -> bool:
+    """Whether Hopper bulk copies (TMA) can address ``t``'s rows: last dim contiguous, base and
+    the other strides 16-byte aligned (also what 16-byte async copies of its rows need)."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+
+
 def timeouts(cfg) -> tuple[int, int]:
     """(timeout_ns for the GPU timer, max polls for the interpreter, ~1 ms each there) of a
     receive that waits for its peers."""

@@ -56,7 +56,7 @@ from ..config import FP8_GROUP, NVFP4_BLOCK
 from ..errors import EPInputError
 from ..nvfp4 import dequantize_nvfp4_torch
 from ..validation import check_tensor
-from ._util import interpreted, num_sms as sm_count, tile_in_group
+from ._util import interpreted, num_sms as sm_count, tile_in_group, tma_addressable
 from ..fp8 import quantize_fp8_torch
 from . import grouped_gemm_sm90 as sm90
 from .nvfp4 import unpack_nvfp4_tile
@@ -545,9 +545,7 @@ def _weight_descriptor(b_LDO: torch.Tensor, cfg: dict) -> TensorDescriptor | Non
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor | None:
     """A TMA descriptor of ``t``'s ``block`` tiles, or None where TMA cannot address them (last
     dim not contiguous, base or row strides not 16-byte aligned, a tile row under 16 bytes)."""
-    size = t.element_size()
-    if (t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:-1])
-            or block[-1] * size < 16):
+    if not tma_addressable(t) or block[-1] * t.element_size() < 16:
         return None
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 

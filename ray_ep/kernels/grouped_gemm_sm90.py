@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_GROUP
-from ._util import tile_in_group
+from ._util import num_sms as sm_count, tile_in_group, tma_addressable
 
 _tile_in_group = gluon.jit(tile_in_group.fn)  # the Triton kernels' map, compiled as Gluon
 
@@ -74,8 +74,8 @@ def usable(*, a: torch.Tensor, b_LDO: torch.Tensor, rows_per_expert: int) -> boo
         return False
     L, D, O = b_LDO.shape
     w = b_LDO.transpose(1, 2)
-    return (O % BLOCK_O.value == 0 and D % BLOCK_K.value == 0 and w.is_contiguous() and w.data_ptr() % 16 == 0
-            and a.stride(1) == 1 and a.stride(0) % 16 == 0 and a.data_ptr() % 16 == 0)
+    return (O % BLOCK_O.value == 0 and D % BLOCK_K.value == 0 and w.is_contiguous() and tma_addressable(w)
+            and tma_addressable(a))
 
 
 @gluon.jit
@@ -258,7 +258,7 @@ def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids:
         a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.float8e4nv))
     b_desc = TensorDescriptor.from_tensor(b_LDO.transpose(1, 2).reshape(L * O, D), b_block,
                                           gl.NVMMASharedLayout.get_default_for(b_block, gl.float8e4nv))
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    sms = sm_count(a.device)
     grid = (max(1, min(num_sms or sms, sms)),)
     row_ids = a_row_ids.contiguous() if gather else num_tokens_L  # a dummy pointer when unused
     _grouped_gemm_fp8_kernel[grid](
