@@ -186,6 +186,8 @@ def compile_fp8_gemm_sm90(gather: bool):
     a = torch.zeros(1024, D, dtype=torch.float8_e4m3fn)
     b = torch.zeros(L * O, D, dtype=torch.float8_e4m3fn)
     ab, bb = [sm90.HALF_M.value, sm90.BLOCK_K.value], [sm90.HALF_O.value, sm90.BLOCK_K.value]
+    cb = [sm90.HALF_M.value, sm90.HALF_O.value]
+    c = torch.zeros(1024, O, dtype=torch.bfloat16)  # the output, stored by bulk copies
 
     def desc(t, block):
         return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
@@ -194,10 +196,11 @@ def compile_fp8_gemm_sm90(gather: bool):
     args = dict(a_desc=None if gather else desc(a, ab), a_ptr=a, stride_am=D + 64 if gather else D,
                 a_scales_ptr=torch.zeros(4), stride_sm=(D + 64) // 4, stride_sd=1, row_ids_ptr=i32,
                 b_desc=desc(b, bb), b_scales_ptr=torch.zeros(4), stride_bsl=64, stride_bsd=4, stride_bso=1,
-                c_ptr=torch.zeros(4, dtype=torch.bfloat16), stride_cm=O, stride_co=1, row_offsets_ptr=i32,
+                c_ptr=c, stride_cm=O, stride_co=1, row_offsets_ptr=i32,
+                c_desc=TensorDescriptor.from_tensor(c, cb, gl.NVMMASharedLayout.get_default_for(cb, gl.bfloat16)),
                 num_tokens_ptr=i32, L=5, O=O)
-    meta = dict(D=D, BLOCK_L=64, NUM_STAGES=sm90.STAGES, GATHER=gather,
-                PRODUCER_WARPS=sm90.GATHER_WARPS if gather else 1)
+    meta = dict(D=D, BLOCK_L=64, NUM_STAGES=sm90.TMA_STORE_STAGES, GATHER=gather,
+                PRODUCER_WARPS=sm90.GATHER_WARPS if gather else 1, TMA_STORE=True)
     return compile_sm90(sm90._grouped_gemm_fp8_kernel, args, meta, None, {"num_warps": 4}, specialize=True)
 
 

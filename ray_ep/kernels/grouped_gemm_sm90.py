@@ -20,14 +20,18 @@ block), so the tensor cores idle during every scaling. Here (per persistent prog
 - two consumer warpgroups own rows 0-63 and 64-127 of a 128 x 256 tile. Each multiplies a K
   block in two halves of 128 columns (one weight scale each), waits for its own wgmma, scales
   the half into its accumulator, and frees the stage with an mbarrier arrive. Nothing else
-  synchronises them, so one warpgroup's scaling runs while the other's wgmma does.
+  synchronises them, so one warpgroup's scaling runs while the other's wgmma does;
+- a warpgroup whose 64 rows are all real writes them to shared memory and leaves them to TMA
+  bulk stores it does not wait for (only before it reuses that buffer, a tile later), so its
+  next tile's K loop runs while they write; rows at an expert's end keep masked stores.
 
 One H200, 64 experts x ~512 fp8 rows in place (deepseek-v3 on 4 ranks), against the Triton
 kernel in the same run: gate_up (D 7168, O 4096) 2389 -> 1946 us (775 -> 951 TFLOP/s), down
 (D 2048, O 7168) 1414 -> 1123 us (655 -> 824). A 128 x 128 tile with the same two warpgroups ran
 2374 / 1336 us. What bounds this one is the consumers' own work, not its loads (docs/perf.md
-v29: without either operand's loads it ran 3-11% faster, without its epilogue stores 15-33%):
-the epilogue, stored while neither warpgroup multiplies, and the scaling.
+v29: without either operand's loads it ran 3-11% faster, without its epilogue stores 15-33%).
+Hence the bulk stores (v30, same bits): down 1220 -> 1112 us at 64 x 512 rows, 1529 -> 1303 at
+128 x 256; gate_up within its run-to-run noise (~5%), its 56 K blocks dwarf one epilogue.
 
 Gluon kernels do not run in Triton's CPU interpreter: elsewhere the Triton kernel (or its twin)
 runs. :func:`usable` says when this one applies.
@@ -50,6 +54,8 @@ from ._util import num_sms as sm_count, tile_in_group, tma_addressable
 _tile_in_group = gluon.jit(tile_in_group.fn)  # the Triton kernels' map, compiled as Gluon
 
 STAGES = 4  # 4 x 48 KB of shared memory (3 ran within 1%)
+# stages when the output leaves by bulk copies: 3 x 48 KB, plus 2 x 32 KB for the consumers' halves
+TMA_STORE_STAGES = 3
 GATHER_WARPS = 4  # producer warps gathering rows (1 when TMA brings them); not swept: gathered ran within 3% of in place
 # the tile (constants of the kernels): 64 rows per consumer warpgroup, two weight-scale blocks
 # of columns, one activation and one weight scale per K block
@@ -160,8 +166,8 @@ def _producer(a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, nu
 
 @gluon.jit
 def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, stride_bsl, stride_bsd, stride_bso,
-              c_ptr, stride_cm, stride_co, row_offsets_ptr, num_tokens_ptr, L, O, full, empty, a_bufs, b0_bufs,
-              b1_bufs, meta: gl.constexpr):
+              c_ptr, stride_cm, stride_co, c_desc, row_offsets_ptr, num_tokens_ptr, L, O, full, empty, a_bufs, b0_bufs,
+              b1_bufs, c_bufs, meta: gl.constexpr):
     """Rows [64 PART, 64 PART + 64) of every tile: a K block's two wgmma halves, each waited for
     and scaled into its accumulator; the stage freed after the second."""
     D: gl.constexpr = meta[0]
@@ -169,14 +175,12 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
     NUM_STAGES: gl.constexpr = meta[2]
     GATHER: gl.constexpr = meta[3]
     PART: gl.constexpr = meta[5]
+    TMA_STORE: gl.constexpr = meta[6]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_O, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
     experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L, total = _tiles(num_tokens_ptr, L, O, BLOCK_L, BLOCK_M,
                                                                       BLOCK_O, 4)
-    # each wgmma overwrites the registers of the partial product scaled just before (use_acc
-    # False): no zero tile to set up per K block
-    part = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
     i = 0
     tile = gl.program_id(0)
     while tile < total:
@@ -193,6 +197,9 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
         sb_ptr = b_scales_ptr + e.to(gl.int64) * stride_bsl + (o_tile * (BLOCK_O // BLOCK_K)) * stride_bso
         acc0 = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
         acc1 = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
+        # each wgmma overwrites the registers of the partial product scaled just before (use_acc
+        # False): no zero tile per K block; set up per tile, so it is dead in the epilogue
+        part = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
         for k in range(D // BLOCK_K):
             s = i % NUM_STAGES
             sa = gl.load(sa_ptrs + k * stride_sd, mask=sa_mask, other=0.0)
@@ -209,25 +216,47 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
             mbarrier.arrive(empty.index(s), count=1)
             acc1 += part * (sa * sb1)[:, None]
             i += 1
-        offs_o = o_tile * BLOCK_O + gl.arange(0, HALF_O, layout=cols_l)
-        c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_o[None, :] * stride_co
-        gl.store(c_ptrs, acc0.to(gl.bfloat16), mask=m_mask[:, None])
-        gl.store(c_ptrs + HALF_O * stride_co, acc1.to(gl.bfloat16), mask=m_mask[:, None])
+        first_row = m_tile * BLOCK_M + PART * HALF_M
+        if TMA_STORE and first_row + HALF_M <= tokens:
+            # all 64 rows real: through shared memory by bulk copies this warpgroup does not wait
+            # for, so its next tile's K loop runs while they write (the other rows of a partial
+            # half belong to padding or to the next expert: stored below, masked)
+            tma.store_wait(0)  # the previous tile's copies have read the buffers
+            c_bufs.index(0).store(acc0.to(gl.bfloat16))
+            c_bufs.index(1).store(acc1.to(gl.bfloat16))
+            fence_async_shared()
+            row_c = gl.load(row_offsets_ptr + e) + first_row
+            tma.async_copy_shared_to_global(c_desc, [row_c, o_tile * BLOCK_O], c_bufs.index(0))
+            tma.async_copy_shared_to_global(c_desc, [row_c, o_tile * BLOCK_O + HALF_O], c_bufs.index(1))
+        else:
+            offs_o = o_tile * BLOCK_O + gl.arange(0, HALF_O, layout=cols_l)
+            c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_o[None, :] * stride_co
+            gl.store(c_ptrs, acc0.to(gl.bfloat16), mask=m_mask[:, None])
+            gl.store(c_ptrs + HALF_O * stride_co, acc1.to(gl.bfloat16), mask=m_mask[:, None])
         tile += gl.num_programs(0)
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _grouped_gemm_fp8_kernel(a_desc, a_ptr, stride_am, a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_desc,
-                             b_scales_ptr, stride_bsl, stride_bsd, stride_bso, c_ptr, stride_cm, stride_co,
+                             b_scales_ptr, stride_bsl, stride_bsd, stride_bso, c_ptr, stride_cm, stride_co, c_desc,
                              row_offsets_ptr, num_tokens_ptr, L, O,
                              D: gl.constexpr, BLOCK_L: gl.constexpr, NUM_STAGES: gl.constexpr,
-                             GATHER: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
+                             GATHER: gl.constexpr, PRODUCER_WARPS: gl.constexpr, TMA_STORE: gl.constexpr):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.float8e4nv)
     b_layout: gl.constexpr = b_desc.layout
     a0_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF_M, BLOCK_K], a_layout)
     a1_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF_M, BLOCK_K], a_layout)
     b0_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF_O, BLOCK_K], b_layout)
     b1_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF_O, BLOCK_K], b_layout)
+    if TMA_STORE:  # each consumer's two output halves
+        c_layout: gl.constexpr = c_desc.layout
+        c0_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, HALF_O], c_layout)
+        c1_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, HALF_O], c_layout)
+    else:
+        c0_bufs = a0_bufs  # unused
+        c1_bufs = a1_bufs
     full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
@@ -235,12 +264,12 @@ def _grouped_gemm_fp8_kernel(a_desc, a_ptr, stride_am, a_scales_ptr, stride_sm, 
         mbarrier.init(full.index(s), count=1 + (32 * PRODUCER_WARPS if GATHER else 0))
         mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
     consumer = (a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, stride_bsl, stride_bsd, stride_bso,
-                c_ptr, stride_cm, stride_co, row_offsets_ptr, num_tokens_ptr, L, O, full, empty)
-    meta0: gl.constexpr = (D, BLOCK_L, NUM_STAGES, GATHER, PRODUCER_WARPS, 0)
-    meta1: gl.constexpr = (D, BLOCK_L, NUM_STAGES, GATHER, PRODUCER_WARPS, 1)
+                c_ptr, stride_cm, stride_co, c_desc, row_offsets_ptr, num_tokens_ptr, L, O, full, empty)
+    meta0: gl.constexpr = (D, BLOCK_L, NUM_STAGES, GATHER, PRODUCER_WARPS, 0, TMA_STORE)
+    meta1: gl.constexpr = (D, BLOCK_L, NUM_STAGES, GATHER, PRODUCER_WARPS, 1, TMA_STORE)
     gl.warp_specialize([
-        (_consumer, consumer + (a0_bufs, b0_bufs, b1_bufs, meta0)),
-        (_consumer, consumer + (a1_bufs, b0_bufs, b1_bufs, meta1)),
+        (_consumer, consumer + (a0_bufs, b0_bufs, b1_bufs, c0_bufs, meta0)),
+        (_consumer, consumer + (a1_bufs, b0_bufs, b1_bufs, c1_bufs, meta1)),
         (_producer, (a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, num_tokens_ptr, L, O, full,
                      empty, a0_bufs, a1_bufs, b0_bufs, b1_bufs, meta0)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -258,13 +287,17 @@ def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids:
         a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.float8e4nv))
     b_desc = TensorDescriptor.from_tensor(b_LDO.transpose(1, 2).reshape(L * O, D), b_block,
                                           gl.NVMMASharedLayout.get_default_for(b_block, gl.float8e4nv))
+    c_block = [HALF_M.value, HALF_O.value]
+    tma_store = tma_addressable(out)  # else every row leaves by masked register stores
+    c_desc = TensorDescriptor.from_tensor(out, c_block, gl.NVMMASharedLayout.get_default_for(
+        c_block, gl.bfloat16)) if tma_store else None
     sms = sm_count(a.device)
     grid = (max(1, min(num_sms or sms, sms)),)
     row_ids = a_row_ids.contiguous() if gather else num_tokens_L  # a dummy pointer when unused
     _grouped_gemm_fp8_kernel[grid](
         a_desc, a, a.stride(0), a_scales, a_scales.stride(0), a_scales.stride(1), row_ids, b_desc,
         b_scales, b_scales.stride(0), b_scales.stride(1), b_scales.stride(2), out, out.stride(0), out.stride(1),
-        row_offsets_L1.contiguous(), num_tokens_L.contiguous(), L, O,
-        D=D, BLOCK_L=max(2, triton.next_power_of_2(L)), NUM_STAGES=STAGES, GATHER=gather,
-        PRODUCER_WARPS=GATHER_WARPS if gather else 1, num_warps=4)
+        c_desc, row_offsets_L1.contiguous(), num_tokens_L.contiguous(), L, O,
+        D=D, BLOCK_L=max(2, triton.next_power_of_2(L)), NUM_STAGES=TMA_STORE_STAGES if tma_store else STAGES,
+        GATHER=gather, PRODUCER_WARPS=GATHER_WARPS if gather else 1, TMA_STORE=tma_store, num_warps=4)
     return out
