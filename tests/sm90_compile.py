@@ -173,10 +173,11 @@ def record_fp8_expert_launches() -> list[tuple]:
         activation._check_launchable = check
 
 
-def compile_fp8_gemm_sm90(gather: bool):
+def compile_fp8_gemm_sm90(gather: bool, swiglu: bool = False):
     """The Gluon grouped GEMM with fp8 weights (:mod:`ray_ep.kernels.grouped_gemm_sm90`) for
     sm_90a, rows by TMA or gathered through row ids, specialised as its launch on deepseek-v3's
-    down GEMM would be (D 2048, fp8 wire rows of 2048 + 64 bytes of scales when gathered)."""
+    down GEMM would be (D 2048, fp8 wire rows of 2048 + 64 bytes of scales when gathered); with
+    ``swiglu`` the gate_up form that stores the SwiGLU in fp8 (its output [rows, O / 2])."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -187,7 +188,9 @@ def compile_fp8_gemm_sm90(gather: bool):
     b = torch.zeros(L * O, D, dtype=torch.float8_e4m3fn)
     ab, bb = [sm90.HALF_M.value, sm90.BLOCK_K.value], [sm90.HALF_O.value, sm90.BLOCK_K.value]
     cb = [sm90.HALF_M.value, sm90.HALF_O.value]
-    c = torch.zeros(1024, O, dtype=torch.bfloat16)  # the output, stored by bulk copies
+    # the output, stored by bulk copies
+    c = torch.zeros(1024, O // 2, dtype=torch.float8_e4m3fn) if swiglu else torch.zeros(1024, O, dtype=torch.bfloat16)
+    cs = torch.zeros(1024, O // 256)
 
     def desc(t, block):
         return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
@@ -196,11 +199,12 @@ def compile_fp8_gemm_sm90(gather: bool):
     args = dict(a_desc=None if gather else desc(a, ab), a_ptr=a, stride_am=D + 64 if gather else D,
                 a_scales_ptr=torch.zeros(4), stride_sm=(D + 64) // 4, stride_sd=1, row_ids_ptr=i32,
                 b_desc=desc(b, bb), b_scales_ptr=torch.zeros(4), stride_bsl=64, stride_bsd=4, stride_bso=1,
-                c_ptr=c, stride_cm=O, stride_co=1, row_offsets_ptr=i32,
-                c_desc=TensorDescriptor.from_tensor(c, cb, gl.NVMMASharedLayout.get_default_for(cb, gl.bfloat16)),
-                num_tokens_ptr=i32, L=5, O=O)
-    meta = dict(D=D, BLOCK_L=64, NUM_STAGES=sm90.TMA_STORE_STAGES, GATHER=gather,
-                PRODUCER_WARPS=sm90.GATHER_WARPS if gather else 1, TMA_STORE=True)
+                c_ptr=c, stride_cm=c.shape[1], stride_co=1, row_offsets_ptr=i32,
+                c_desc=TensorDescriptor.from_tensor(c, cb, gl.NVMMASharedLayout.get_default_for(
+                    cb, gl.float8e4nv if swiglu else gl.bfloat16)),
+                cs_ptr=cs, stride_csm=cs.shape[1], stride_csg=1, num_tokens_ptr=i32, L=5, O=O)
+    meta = dict(D=D, BLOCK_L=64, NUM_STAGES=sm90.STAGES if swiglu else sm90.TMA_STORE_STAGES, GATHER=gather,
+                PRODUCER_WARPS=sm90.GATHER_WARPS if gather else 1, TMA_STORE=True, SWIGLU=swiglu)
     return compile_sm90(sm90._grouped_gemm_fp8_kernel, args, meta, None, {"num_warps": 4}, specialize=True)
 
 
@@ -399,18 +403,19 @@ def main() -> int:
     if a.fp8_experts:
         import re
 
-        for gather in (False, True):
+        for gather, swiglu in ((False, False), (True, False), (True, True)):
+            what = f"_grouped_gemm_fp8_kernel (gluon) gather={gather}" + (", swiglu=True" if swiglu else "")
             try:
-                ck = compile_fp8_gemm_sm90(gather)
+                ck = compile_fp8_gemm_sm90(gather, swiglu)
                 ptx = ck.asm["ptx"]
-                print(f"OK   _grouped_gemm_fp8_kernel (gluon) gather={gather}, wgmma={_wgmma(ptx)}, "
+                print(f"OK   {what}, wgmma={_wgmma(ptx)}, "
                       f"tma={'cp.async.bulk.tensor' in ptx}, "
                       f"cp_async16={len(re.findall(r'cp[.]async[.]cg[.]shared[.]global [[][^]]*[]], [[][^]]*[]], 0x10', ptx))}, "
                       f"warp_specialized={'setmaxnreg' in ptx}, spill_bytes={_spill_bytes(ptx)}, "
                       f"shared={ck.metadata.shared}")
             except Exception:  # noqa: BLE001 - report it
                 failed += 1
-                print(f"FAIL _grouped_gemm_fp8_kernel (gluon) gather={gather}\n{traceback.format_exc()}")
+                print(f"FAIL {what}\n{traceback.format_exc()}")
     return 1 if failed else 0
 
 

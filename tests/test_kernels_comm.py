@@ -635,9 +635,9 @@ def test_expert_kernels_convert_the_receive_regions(dispatch, expert):
         experts = LocalExperts.build(cfg, weights.local(r, cfg.experts_per_rank), device)
         scratch = ExpertScratch.allocate(cfg, device)
         assert scratch.region_rows == cfg.max_tokens_per_rank
-        by_region = _run(grouped_gemm, swiglu, h, experts, scratch, None, None).clone()
+        by_region = _run(grouped_gemm, swiglu, h, experts, scratch, None, None, fuse=True).clone()
         scratch = dataclasses.replace(ExpertScratch.allocate(cfg, device), region_rows=0)
-        by_row = _run(grouped_gemm, swiglu, h, experts, scratch, None, None)
+        by_row = _run(grouped_gemm, swiglu, h, experts, scratch, None, None, fuse=True)
         real = (h.recv.row_ids_M >= 0).cpu()
         assert int(real.sum()) > 0
         assert torch.equal(by_region.cpu()[real], by_row.cpu()[real])

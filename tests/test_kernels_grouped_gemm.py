@@ -393,6 +393,56 @@ def test_grouped_gemm_fp8_weights_hopper_kernel(gather, num_sms):
           a_row_ids=a_row_ids, num_sms=num_sms)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_sms", [None, 3], ids=["grid-per-sm", "3-programs"])
+@pytest.mark.parametrize("gather", [False, True], ids=["in-place", "gathered"])
+def test_grouped_gemm_swiglu_out_matches_gemm_then_swiglu(gather, num_sms):
+    # the SwiGLU in the Hopper kernel's epilogue: the same fp8 bits and scales as the bf16
+    # product followed by the SwiGLU kernel, over skewed experts (an empty one, one row, several
+    # m tiles, two o tiles of 128 gate and 128 up columns); padding rows untouched
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for Hopper (sm_90)")
+    from ray_ep.kernels.grouped_gemm import fuses_swiglu
+
+    gen = torch.Generator().manual_seed(31)
+    counts = [300, 0, 1, 129, 77, 256]
+    offsets, num_tokens, real = make_layout(counts, 128, 5)
+    M, D, F = real.shape[0], 512, 256
+    q, s, _ = fp8_weights(len(counts), D, 2 * F, gen)
+    rows = 1500 if gather else M
+    x, xs = reference.quantize_fp8(torch.randn(rows, D, generator=gen).to(torch.bfloat16))
+    a, a_s = x.to(device), xs.to(device)
+    ids = torch.full((M,), -1, dtype=torch.int32)
+    ids[real.cpu()] = (torch.randperm(rows, generator=gen)[: sum(counts)] if gather
+                       else torch.nonzero(real.cpu())[:, 0]).to(torch.int32)
+    ids = ids.to(device)
+    kw = dict(a=a, a_scales=a_s, b_LDO=q, b_scales=s, row_offsets_L1=offsets, num_tokens_L=num_tokens,
+              a_row_ids=ids if gather else None, num_sms=num_sms)
+    assert fuses_swiglu(a=a, b_LDO=q, rows_per_expert=M // len(counts))
+    h = grouped_gemm(**kw)
+    want_q = torch.zeros(M, F, dtype=torch.float8_e4m3fn, device=device)
+    want_s = torch.full((M, F // 128), 5.0, device=device)
+    swiglu(h_M2F=h, row_ids_M=ids, total_rows=offsets[-1:], out=want_q, out_scales=want_s)
+    got_q = torch.full((M, F), 7.0, device=device).to(torch.float8_e4m3fn)
+    got_s = torch.full((M, F // 128), 5.0, device=device)
+    assert grouped_gemm(**kw, swiglu_out=(got_q, got_s)) is got_q
+    assert torch.equal(got_q[real].view(torch.uint8), want_q[real].view(torch.uint8))
+    assert torch.equal(got_s[real], want_s[real])
+    assert bool((got_q[~real].float() == 7.0).all()) and bool((got_s[~real] == 5.0).all()), "padding rows written"
+
+
+def test_grouped_gemm_swiglu_out_needs_the_hopper_kernel():
+    # where the SwiGLU cannot run inside the GEMM (here: no Hopper GPU, or bf16 weights) a clear
+    # error says what to run instead
+    gen = torch.Generator().manual_seed(5)
+    offsets, num_tokens, real = make_layout([3, 2], 4, 0)
+    M = real.shape[0]
+    b = rand_b(2, 128, 256, gen)
+    out = (torch.zeros(M, 128, dtype=torch.float8_e4m3fn, device=device), torch.ones(M, 1, device=device))
+    with pytest.raises(EPInputError, match="fuses_swiglu"):
+        grouped_gemm(a=rand_a(M, 128, gen), b_LDO=b, row_offsets_L1=offsets, num_tokens_L=num_tokens, swiglu_out=out)
+
+
 def test_grouped_gemm_fp8_weights_quantises_a_like_fp8_dispatch():
     # bf16 rows with fp8 weights give exactly what their fp8 dispatch (quantize_fp8) gives:
     # quantize_rows_fp8 uses the same bits. Kernel and twin each, bit for bit.

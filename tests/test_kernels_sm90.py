@@ -108,12 +108,12 @@ def test_fp8_expert_kernels_compile_to_fp8_tensor_cores():
     assert all(b >= 3 * 16 * 1024 for b in shared), out
     # the Hopper kernel in Gluon: fp8 tensor cores, warp-specialised, weights by TMA; rows by
     # TMA in place, or gathered by 16-byte async copies; 3 stages of 48 KB and 64 KB of output
-    # halves leaving by bulk stores
+    # halves leaving by bulk stores (the SwiGLU form: 4 stages and two 8 KB fp8 halves)
     gluon = [line for line in out.splitlines() if line.startswith("OK") and "(gluon)" in line]
-    assert len(gluon) == 2, out
+    assert len(gluon) == 3, out  # in place, gathered, gathered with the SwiGLU stored in fp8
     assert all("wgmma=e4m3" in line and "tma=True" in line and "warp_specialized=True" in line for line in gluon), out
     gathered = [line for line in gluon if "gather=True" in line]
-    assert len(gathered) == 1 and int(gathered[0].split("cp_async16=")[1].split(",")[0]) >= 8, out
+    assert len(gathered) == 2 and all(int(line.split("cp_async16=")[1].split(",")[0]) >= 8 for line in gathered), out
     assert all(int(line.rsplit("shared=", 1)[1]) >= 3 * 48 * 1024 + 64 * 1024 for line in gluon), out
-    # at most a few words of spills (0 bytes in place, 36 gathering, at the time of writing)
+    # at most a few words of spills (0 bytes in place, 20 gathering, at the time of writing)
     assert all(int(line.split("spill_bytes=")[1].split(",")[0]) <= 64 for line in gluon), out

@@ -20,7 +20,7 @@ from ..types import DispatchHandle
 from ..validation import check_tensor
 from ..weights import ExpertWeights, check_expert_weights
 from .activation import swiglu, swiglu_torch
-from .grouped_gemm import grouped_gemm, grouped_gemm_torch
+from .grouped_gemm import fuses_swiglu, grouped_gemm, grouped_gemm_torch
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def run_experts(*, handle: DispatchHandle, experts: LocalExperts, scratch: Exper
     on_gpu = handle.x_rows.device.type == "cuda"
     if not on_gpu:
         return run_experts_torch(handle=handle, experts=experts, scratch=scratch)
-    return _run(grouped_gemm, swiglu, handle, experts, scratch, num_sms, None)
+    return _run(grouped_gemm, swiglu, handle, experts, scratch, num_sms, None, fuse=True)
 
 
 def run_experts_torch(*, handle: DispatchHandle, experts: LocalExperts, scratch: ExpertScratch,
@@ -149,12 +149,13 @@ def run_experts_torch(*, handle: DispatchHandle, experts: LocalExperts, scratch:
     scratch.y_MH (rows past the count untouched)."""
     n = int(handle.recv.row_offsets_L1[-1])
     scratch.ensure_rows(max(n, 1))  # row 0 exists: the combine reads it for slots of no local expert
-    return _run(grouped_gemm_torch, swiglu_torch, handle, experts, scratch, None, n)
+    return _run(grouped_gemm_torch, swiglu_torch, handle, experts, scratch, None, n, fuse=False)
 
 
 def _run(gemm, act, handle: DispatchHandle, experts: LocalExperts, scratch: ExpertScratch,
-         num_sms: int | None, rows: int | None) -> torch.Tensor:
-    """The chain over the first ``rows`` expert-major rows (None: all of the scratch)."""
+         num_sms: int | None, rows: int | None, fuse: bool) -> torch.Tensor:
+    """The chain over the first ``rows`` expert-major rows (None: all of the scratch); ``fuse``:
+    the SwiGLU inside the gate_up GEMM where :func:`fuses_swiglu` allows it."""
     if experts.fp8 != (scratch.a_scales_MG is not None):
         raise EPInputError("fp8 experts need the fp8 scratch (ExpertScratch.allocate of an expert_dtype 'fp8' "
                            "config) and bf16 experts the bf16 one")
@@ -171,9 +172,15 @@ def _run(gemm, act, handle: DispatchHandle, experts: LocalExperts, scratch: Expe
         # the receive buffer: rows to convert for the other tensor-core dtype go once each, not
         # once per local expert (a packed receive this size has every region full: the same rows)
         regions = (r.recv_counts_R, scratch.region_rows)
-    gemm(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=row_ids, b_LDO=experts.w_gate_up_LHF2,
-         b_scales=experts.w_gate_up_scales, out=h, num_sms=num_sms, fp8_rows=x_fp8, a_regions=regions, **segs)
-    act(h_M2F=h, row_ids_M=row_ids, total_rows=r.row_offsets_L1[-1:], out=a, out_scales=a_scales)
+    gate_up = dict(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=row_ids, b_LDO=experts.w_gate_up_LHF2,
+                   b_scales=experts.w_gate_up_scales, out=h, num_sms=num_sms, fp8_rows=x_fp8, a_regions=regions, **segs)
+    if fuse and a_scales is not None and fuses_swiglu(a=handle.x_rows, b_LDO=experts.w_gate_up_LHF2,
+                                                      rows_per_expert=row_ids.shape[0] // r.num_tokens_L.shape[0]):
+        # fp8 weights on Hopper: the SwiGLU in the GEMM's epilogue, h never written
+        gemm(**gate_up, swiglu_out=(a, a_scales))
+    else:
+        gemm(**gate_up)
+        act(h_M2F=h, row_ids_M=row_ids, total_rows=r.row_offsets_L1[-1:], out=a, out_scales=a_scales)
     gemm(a=a, a_scales=a_scales, b_LDO=experts.w_down_LFH, b_scales=experts.w_down_scales, out=y, num_sms=num_sms,
          **segs)
     return scratch.y_MH

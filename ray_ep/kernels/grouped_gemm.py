@@ -439,7 +439,8 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
                  a_scales: torch.Tensor | None = None, b_scales: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, num_sms: int | None = None,
                  fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 a_regions: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                 a_regions: tuple[torch.Tensor, int] | None = None,
+                 swiglu_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Per-expert ``c = A @ b[e]`` over expert-major rows, without a host sync.
 
     Args:
@@ -470,9 +471,15 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
             by at least one expert-major row): the pass that quantises (or decodes) rows for
             the other tensor-core dtype then converts each of them once, not once per local
             expert that reads it (deepseek-v3 on 2 ranks: ~4 expert rows per receive row).
+        swiglu_out: ``(q [M_max, O / 2] float8_e4m3fn, scales [M_max, O / 256] fp32)`` (any
+            strides), only where :func:`fuses_swiglu` is true (fp8 weights on a Hopper GPU,
+            prefill shapes): the product's O = 2F columns are ``[gate | up]``, and instead of
+            ``c`` each real row's ``silu(gate) * up`` quantised per 128 channels is written
+            here, the bits :func:`ray_ep.kernels.activation.swiglu` gives from ``c`` (``out``
+            is then not written; padding rows keep their contents).
 
     Returns:
-        c [M_max, O] bf16.
+        c [M_max, O] bf16 (``swiglu_out[0]`` with ``swiglu_out``).
 
     D is a compile-time constant of the kernel: each weight shape compiles once.
 
@@ -489,8 +496,10 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
                            f"TRITON_INTERPRET=1), got tensors on {dev}; use grouped_gemm_torch")
     if out is None:
         out = torch.empty(M, O, dtype=torch.bfloat16, device=dev)
+    if swiglu_out is not None:
+        _check_swiglu_out(swiglu_out, a, b_LDO, M)
     if M == 0 or O == 0:
-        return out
+        return out if swiglu_out is None else swiglu_out[0]
     b_fp8 = b_LDO.dtype == torch.float8_e4m3fn
     if b_fp8 and a.dtype != torch.float8_e4m3fn:  # fp8 tensor cores take fp8 rows: quantise once
         a, a_scales = quantize_rows_fp8(a=a, a_scales=a_scales, row_offsets_L1=row_offsets_L1,
@@ -500,9 +509,10 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
         a, a_scales = decode_rows_bf16(a=a, a_scales=a_scales, row_offsets_L1=row_offsets_L1,
                                        num_tokens_L=num_tokens_L, a_row_ids=a_row_ids, a_regions=a_regions), None
     if b_fp8 and sm90.usable(a=a, b_LDO=b_LDO, rows_per_expert=M // L):  # Hopper, prefill shapes
-        return sm90.grouped_gemm_fp8_sm90(a=a, a_scales=a_scales, a_row_ids=a_row_ids, b_LDO=b_LDO, b_scales=b_scales,
-                                          row_offsets_L1=row_offsets_L1, num_tokens_L=num_tokens_L, out=out,
-                                          num_sms=num_sms)
+        return sm90.grouped_gemm_fp8_sm90(
+            a=a, a_scales=a_scales, a_row_ids=a_row_ids, b_LDO=b_LDO, b_scales=b_scales, row_offsets_L1=row_offsets_L1,
+            num_tokens_L=num_tokens_L, out=out if swiglu_out is None else swiglu_out[0], num_sms=num_sms,
+            swiglu_scales=None if swiglu_out is None else swiglu_out[1])
     cfg = _launch_config(dev, b_fp8=b_fp8, rows_per_expert=M // L, depth=D)
     bm, bo = cfg["BLOCK_M"], cfg["BLOCK_O"]
     # sum_e ceil(n_e / BM) <= (sum_e n_e + L (BM - 1)) / BM, and every tile holds >= 1 row
@@ -531,6 +541,27 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
         B_TMA=b_desc is not None, **cfg,
     )
     return out
+
+
+def fuses_swiglu(*, a: torch.Tensor, b_LDO: torch.Tensor, rows_per_expert: int) -> bool:
+    """Whether :func:`grouped_gemm` takes ``swiglu_out`` for these rows and weights: fp8
+    weights that the Hopper kernel (:mod:`ray_ep.kernels.grouped_gemm_sm90`) runs, on prefill
+    shapes (``rows_per_expert``: the capacity rows per local expert). Rows in another dtype
+    than fp8 are quantised first into rows it can read."""
+    if a.dtype == torch.float8_e4m3fn and not tma_addressable(a):
+        return False
+    return sm90.weights_usable(b_LDO, rows_per_expert)
+
+
+def _check_swiglu_out(swiglu_out, a: torch.Tensor, b_LDO: torch.Tensor, M: int) -> None:
+    L, _, O = b_LDO.shape
+    if not fuses_swiglu(a=a, b_LDO=b_LDO, rows_per_expert=M // L):
+        raise EPInputError("swiglu_out: the SwiGLU runs inside the GEMM only for fp8 weights on a Hopper GPU with "
+                           "more than 64 capacity rows per expert (fuses_swiglu); elsewhere give out and run "
+                           "ray_ep.kernels.activation.swiglu on it")
+    q, s = swiglu_out
+    check_tensor("swiglu_out[0]", q, shape=(M, O // 2), dtypes=(torch.float8_e4m3fn,), device=a.device)
+    check_tensor("swiglu_out[1]", s, shape=(M, O // 2 // FP8_GROUP), dtypes=(torch.float32,), device=a.device)
 
 
 def _weight_descriptor(b_LDO: torch.Tensor, cfg: dict) -> TensorDescriptor | None:

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..config import FP8_GROUP
+from ..config import FP8_GROUP, FP8_MAX
 from ._util import num_sms as sm_count, tile_in_group, tma_addressable
 
 _tile_in_group = gluon.jit(tile_in_group.fn)  # the Triton kernels' map, compiled as Gluon
@@ -66,22 +66,27 @@ HALF_M = gl.constexpr(BLOCK_M.value // 2)  # a consumer's rows
 HALF_O = gl.constexpr(BLOCK_O.value // 2)  # a wgmma's columns (one weight-scale block)
 # registers per thread: a consumer holds 2 x 64 of accumulator and 64 of partial product
 CONSUMER_REGS = gl.constexpr(232)
+_FP8_MAX = gl.constexpr(FP8_MAX)
 PRODUCER_REGS = gl.constexpr(40)
 
 
 def usable(*, a: torch.Tensor, b_LDO: torch.Tensor, rows_per_expert: int) -> bool:
-    """Whether :func:`grouped_gemm_fp8_sm90` runs these operands: fp8 rows and fp8 K-major
-    weights stored as [L, O, D] (D contiguous), on a Hopper GPU, O a multiple of 256 and more
-    than 64 capacity rows per expert (decode's few rows per expert keep the Triton kernel's
-    64-row tiles, which read each weight once per 64 rows)."""
-    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] != 9:
+    """Whether :func:`grouped_gemm_fp8_sm90` runs these operands: fp8 rows TMA can address and
+    weights :func:`weights_usable` accepts."""
+    return a.dtype == torch.float8_e4m3fn and tma_addressable(a) and weights_usable(b_LDO, rows_per_expert)
+
+
+def weights_usable(b_LDO: torch.Tensor, rows_per_expert: int) -> bool:
+    """fp8 K-major weights stored as [L, O, D] (D contiguous) on a Hopper GPU, O a multiple of
+    256 and more than 64 capacity rows per expert (decode's few rows per expert keep the Triton
+    kernel's 64-row tiles, which read each weight once per 64 rows)."""
+    if b_LDO.device.type != "cuda" or torch.cuda.get_device_capability(b_LDO.device)[0] != 9:
         return False
-    if a.dtype != torch.float8_e4m3fn or b_LDO.dtype != torch.float8_e4m3fn or rows_per_expert <= 64:
+    if b_LDO.dtype != torch.float8_e4m3fn or rows_per_expert <= 64:
         return False
     L, D, O = b_LDO.shape
     w = b_LDO.transpose(1, 2)
-    return (O % BLOCK_O.value == 0 and D % BLOCK_K.value == 0 and w.is_contiguous() and tma_addressable(w)
-            and tma_addressable(a))
+    return O % BLOCK_O.value == 0 and D % BLOCK_K.value == 0 and w.is_contiguous() and tma_addressable(w)
 
 
 @gluon.jit
@@ -122,6 +127,7 @@ def _producer(a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, nu
     NUM_STAGES: gl.constexpr = meta[2]
     GATHER: gl.constexpr = meta[3]
     NW: gl.constexpr = meta[4]
+    SWIGLU: gl.constexpr = meta[7]
     experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L, total = _tiles(num_tokens_ptr, L, O, BLOCK_L, BLOCK_M,
                                                                       BLOCK_O, NW)
     if GATHER:
@@ -137,7 +143,12 @@ def _producer(a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, nu
     while tile < total:
         e, m_tile, o_tile, tokens = _tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L)
         row0 = gl.load(row_offsets_ptr + e) + m_tile * BLOCK_M
-        brow = e * O + o_tile * BLOCK_O
+        if SWIGLU:  # 128 gate columns, then the same columns of up (O / 2 further)
+            brow0 = e * O + o_tile * HALF_O
+            brow1 = brow0 + O // 2
+        else:
+            brow0 = e * O + o_tile * BLOCK_O
+            brow1 = brow0 + HALF_O
         if GATHER:
             m0 = m_tile * BLOCK_M + rr
             src0 = gl.load(row_ids_ptr + row0 + rr, mask=m0 < tokens, other=-1).to(gl.int64)
@@ -158,24 +169,57 @@ def _producer(a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, nu
                 tma.async_copy_global_to_shared(a_desc, [row0, k * BLOCK_K], bar, a0_bufs.index(s))
                 tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k * BLOCK_K], bar, a1_bufs.index(s))
             mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(b_desc, [brow, k * BLOCK_K], bar, b0_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [brow + HALF_O, k * BLOCK_K], bar, b1_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [brow0, k * BLOCK_K], bar, b0_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [brow1, k * BLOCK_K], bar, b1_bufs.index(s))
             i += 1
         tile += gl.num_programs(0)
 
 
 @gluon.jit
+def _swiglu_epilogue(acc0, acc1, e, o_tile, tokens, first_row, m_mask, rows, c_ptr, stride_cm, stride_co,
+                     c_desc, cs_ptr, stride_csm, stride_csg, row_offsets_ptr, c_bufs, TMA_STORE: gl.constexpr,
+                     rows_l: gl.constexpr, cols_l: gl.constexpr):
+    """``silu(gate) * up`` of a consumer's 64 rows x 128 channels (acc0 gate, acc1 up), quantised
+    to fp8 with one scale per row, with the bits the gate_up GEMM's bf16 output and then
+    :func:`ray_ep.kernels.activation.swiglu` give: the same roundings in the same order."""
+    gate = acc0.to(gl.bfloat16).to(gl.float32)
+    up = acc1.to(gl.bfloat16).to(gl.float32)
+    v = gate * (1 / (1 + gl.exp(-gate))) * up  # tl.sigmoid's expression
+    # :func:`ray_ep.kernels.quant.group_scales`: 448 / amax and amax / 448 (1 and 1 for zeros)
+    amax = gl.max(gl.abs(v), axis=1)
+    nonzero = amax > 0
+    safe = gl.where(nonzero, amax, 1.0)
+    limit = gl.full([HALF_M], _FP8_MAX, gl.float32, rows_l)
+    inv = gl.where(nonzero, gl.div_rn(limit, safe), 1.0)
+    scale = gl.where(nonzero, gl.div_rn(safe, limit), 1.0)
+    q = (v * inv[:, None]).to(gl.float8e4nv)
+    gl.store(cs_ptr + rows * stride_csm + o_tile * stride_csg, scale, mask=m_mask)
+    if TMA_STORE and first_row + HALF_M <= tokens:
+        tma.store_wait(0)  # the previous tile's copy has read the buffer
+        c_bufs.index(0).store(q)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [gl.load(row_offsets_ptr + e) + first_row, o_tile * HALF_O],
+                                        c_bufs.index(0))
+    else:
+        offs_o = o_tile * HALF_O + gl.arange(0, HALF_O, layout=cols_l)
+        gl.store(c_ptr + rows[:, None] * stride_cm + offs_o[None, :] * stride_co, q, mask=m_mask[:, None])
+
+
+@gluon.jit
 def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, stride_bsl, stride_bsd, stride_bso,
-              c_ptr, stride_cm, stride_co, c_desc, row_offsets_ptr, num_tokens_ptr, L, O, full, empty, a_bufs, b0_bufs,
-              b1_bufs, c_bufs, meta: gl.constexpr):
+              c_ptr, stride_cm, stride_co, c_desc, cs_ptr, stride_csm, stride_csg, row_offsets_ptr, num_tokens_ptr,
+              L, O, full, empty, a_bufs, b0_bufs, b1_bufs, c_bufs, meta: gl.constexpr):
     """Rows [64 PART, 64 PART + 64) of every tile: a K block's two wgmma halves, each waited for
-    and scaled into its accumulator; the stage freed after the second."""
+    and scaled into its accumulator; the stage freed after the second. SWIGLU: the halves are
+    128 gate and the same 128 up columns, stored as silu(gate) * up in fp8 with a scale per row
+    (``c_ptr`` / ``cs_ptr``)."""
     D: gl.constexpr = meta[0]
     BLOCK_L: gl.constexpr = meta[1]
     NUM_STAGES: gl.constexpr = meta[2]
     GATHER: gl.constexpr = meta[3]
     PART: gl.constexpr = meta[5]
     TMA_STORE: gl.constexpr = meta[6]
+    SWIGLU: gl.constexpr = meta[7]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_O, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -194,7 +238,12 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
             src = rows
         sa_ptrs = a_scales_ptr + src * stride_sm
         sa_mask = m_mask & (src >= 0)
-        sb_ptr = b_scales_ptr + e.to(gl.int64) * stride_bsl + (o_tile * (BLOCK_O // BLOCK_K)) * stride_bso
+        if SWIGLU:  # the gate block's weight scales, and the up block's F / 128 blocks further
+            sb_ptr = b_scales_ptr + e.to(gl.int64) * stride_bsl + o_tile * stride_bso
+            sb_up = (O // BLOCK_O) * stride_bso
+        else:
+            sb_ptr = b_scales_ptr + e.to(gl.int64) * stride_bsl + (o_tile * (BLOCK_O // BLOCK_K)) * stride_bso
+            sb_up = stride_bso
         acc0 = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
         acc1 = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
         # each wgmma overwrites the registers of the partial product scaled just before (use_acc
@@ -205,7 +254,7 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
         # consumers' stall samples)
         sa_next = gl.load(sa_ptrs, mask=sa_mask, other=0.0)
         sb0_next = gl.load(sb_ptr)
-        sb1_next = gl.load(sb_ptr + stride_bso)
+        sb1_next = gl.load(sb_ptr + sb_up)
         for k in range(D // BLOCK_K):
             s = i % NUM_STAGES
             sa = sa_next
@@ -214,7 +263,7 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
             k_next = gl.minimum(k + 1, D // BLOCK_K - 1)  # the last block loads its own again
             sa_next = gl.load(sa_ptrs + k_next * stride_sd, mask=sa_mask, other=0.0)
             sb0_next = gl.load(sb_ptr + k_next * stride_bsd)
-            sb1_next = gl.load(sb_ptr + k_next * stride_bsd + stride_bso)
+            sb1_next = gl.load(sb_ptr + k_next * stride_bsd + sb_up)
             mbarrier.wait(full.index(s), (i // NUM_STAGES) & 1)
             if GATHER:
                 fence_async_shared()  # rows written by cp.async (generic proxy), read by the wgmma
@@ -227,7 +276,11 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
             acc1 += part * (sa * sb1)[:, None]
             i += 1
         first_row = m_tile * BLOCK_M + PART * HALF_M
-        if TMA_STORE and first_row + HALF_M <= tokens:
+        if SWIGLU:
+            _swiglu_epilogue(acc0, acc1, e, o_tile, tokens, first_row, m_mask, rows, c_ptr, stride_cm,
+                             stride_co, c_desc, cs_ptr, stride_csm, stride_csg, row_offsets_ptr, c_bufs, TMA_STORE,
+                             rows_l, cols_l)
+        elif TMA_STORE and first_row + HALF_M <= tokens:
             # all 64 rows real: through shared memory by bulk copies this warpgroup does not wait
             # for, so its next tile's K loop runs while they write (the other rows of a partial
             # half belong to padding or to the next expert: stored below, masked)
@@ -251,16 +304,20 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
 @gluon.jit
 def _grouped_gemm_fp8_kernel(a_desc, a_ptr, stride_am, a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_desc,
                              b_scales_ptr, stride_bsl, stride_bsd, stride_bso, c_ptr, stride_cm, stride_co, c_desc,
-                             row_offsets_ptr, num_tokens_ptr, L, O,
+                             cs_ptr, stride_csm, stride_csg, row_offsets_ptr, num_tokens_ptr, L, O,
                              D: gl.constexpr, BLOCK_L: gl.constexpr, NUM_STAGES: gl.constexpr,
-                             GATHER: gl.constexpr, PRODUCER_WARPS: gl.constexpr, TMA_STORE: gl.constexpr):
+                             GATHER: gl.constexpr, PRODUCER_WARPS: gl.constexpr, TMA_STORE: gl.constexpr,
+                             SWIGLU: gl.constexpr):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.float8e4nv)
     b_layout: gl.constexpr = b_desc.layout
     a0_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF_M, BLOCK_K], a_layout)
     a1_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF_M, BLOCK_K], a_layout)
     b0_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF_O, BLOCK_K], b_layout)
     b1_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, HALF_O, BLOCK_K], b_layout)
-    if TMA_STORE:  # each consumer's two output halves
+    if TMA_STORE and SWIGLU:  # each consumer's fp8 half
+        c0_bufs = gl.allocate_shared_memory(gl.float8e4nv, [1, HALF_M, HALF_O], c_desc.layout)
+        c1_bufs = gl.allocate_shared_memory(gl.float8e4nv, [1, HALF_M, HALF_O], c_desc.layout)
+    elif TMA_STORE:  # each consumer's two output halves
         c_layout: gl.constexpr = c_desc.layout
         c0_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, HALF_O], c_layout)
         c1_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, HALF_O], c_layout)
@@ -274,9 +331,10 @@ def _grouped_gemm_fp8_kernel(a_desc, a_ptr, stride_am, a_scales_ptr, stride_sm, 
         mbarrier.init(full.index(s), count=1 + (32 * PRODUCER_WARPS if GATHER else 0))
         mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
     consumer = (a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, stride_bsl, stride_bsd, stride_bso,
-                c_ptr, stride_cm, stride_co, c_desc, row_offsets_ptr, num_tokens_ptr, L, O, full, empty)
-    meta0: gl.constexpr = (D, BLOCK_L, NUM_STAGES, GATHER, PRODUCER_WARPS, 0, TMA_STORE)
-    meta1: gl.constexpr = (D, BLOCK_L, NUM_STAGES, GATHER, PRODUCER_WARPS, 1, TMA_STORE)
+                c_ptr, stride_cm, stride_co, c_desc, cs_ptr, stride_csm, stride_csg, row_offsets_ptr, num_tokens_ptr,
+                L, O, full, empty)
+    meta0: gl.constexpr = (D, BLOCK_L, NUM_STAGES, GATHER, PRODUCER_WARPS, 0, TMA_STORE, SWIGLU)
+    meta1: gl.constexpr = (D, BLOCK_L, NUM_STAGES, GATHER, PRODUCER_WARPS, 1, TMA_STORE, SWIGLU)
     gl.warp_specialize([
         (_consumer, consumer + (a0_bufs, b0_bufs, b1_bufs, c0_bufs, meta0)),
         (_consumer, consumer + (a1_bufs, b0_bufs, b1_bufs, c1_bufs, meta1)),
@@ -287,11 +345,15 @@ def _grouped_gemm_fp8_kernel(a_desc, a_ptr, stride_am, a_scales_ptr, stride_sm, 
 
 def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids: torch.Tensor | None,
                           b_LDO: torch.Tensor, b_scales: torch.Tensor, row_offsets_L1: torch.Tensor,
-                          num_tokens_L: torch.Tensor, out: torch.Tensor, num_sms: int | None) -> torch.Tensor:
+                          num_tokens_L: torch.Tensor, out: torch.Tensor, num_sms: int | None,
+                          swiglu_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernel (arguments checked by the caller, :func:`usable` true): a persistent
-    program per SM (or ``num_sms`` of them) over the tiles, found on the device."""
+    program per SM (or ``num_sms`` of them) over the tiles, found on the device. With
+    ``swiglu_scales`` [M, O / 256] fp32, ``out`` is float8_e4m3fn [M, O / 2] and receives the
+    SwiGLU of the product (its O columns [gate | up]) quantised per 128 channels."""
     L, D, O = b_LDO.shape
     gather = a_row_ids is not None
+    swiglu = swiglu_scales is not None
     a_block, b_block = [HALF_M.value, BLOCK_K.value], [HALF_O.value, BLOCK_K.value]
     a_desc = None if gather else TensorDescriptor.from_tensor(
         a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.float8e4nv))
@@ -300,14 +362,17 @@ def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids:
     c_block = [HALF_M.value, HALF_O.value]
     tma_store = tma_addressable(out)  # else every row leaves by masked register stores
     c_desc = TensorDescriptor.from_tensor(out, c_block, gl.NVMMASharedLayout.get_default_for(
-        c_block, gl.bfloat16)) if tma_store else None
+        c_block, gl.float8e4nv if swiglu else gl.bfloat16)) if tma_store else None
+    # the fp8 halves (8 KB a consumer) leave room for every stage
+    stages = TMA_STORE_STAGES if tma_store and not swiglu else STAGES
+    cs = swiglu_scales if swiglu else out  # a dummy pointer when unused
     sms = sm_count(a.device)
     grid = (max(1, min(num_sms or sms, sms)),)
     row_ids = a_row_ids.contiguous() if gather else num_tokens_L  # a dummy pointer when unused
     _grouped_gemm_fp8_kernel[grid](
         a_desc, a, a.stride(0), a_scales, a_scales.stride(0), a_scales.stride(1), row_ids, b_desc,
         b_scales, b_scales.stride(0), b_scales.stride(1), b_scales.stride(2), out, out.stride(0), out.stride(1),
-        c_desc, row_offsets_L1.contiguous(), num_tokens_L.contiguous(), L, O,
-        D=D, BLOCK_L=max(2, triton.next_power_of_2(L)), NUM_STAGES=TMA_STORE_STAGES if tma_store else STAGES,
-        GATHER=gather, PRODUCER_WARPS=GATHER_WARPS if gather else 1, TMA_STORE=tma_store, num_warps=4)
+        c_desc, cs, cs.stride(0), cs.stride(1), row_offsets_L1.contiguous(), num_tokens_L.contiguous(), L, O,
+        D=D, BLOCK_L=max(2, triton.next_power_of_2(L)), NUM_STAGES=stages, GATHER=gather,
+        PRODUCER_WARPS=GATHER_WARPS if gather else 1, TMA_STORE=tma_store, SWIGLU=swiglu, num_warps=4)
     return out
