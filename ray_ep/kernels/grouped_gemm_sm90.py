@@ -71,8 +71,8 @@ HALF_M = gl.constexpr(BLOCK_M.value // 2)  # a consumer's rows
 HALF_O = gl.constexpr(BLOCK_O.value // 2)  # a wgmma's columns (one weight-scale block)
 # registers per thread: a consumer holds 2 x 64 of accumulator and 64 of partial product
 CONSUMER_REGS = gl.constexpr(232)
-_FP8_MAX = gl.constexpr(FP8_MAX)
 PRODUCER_REGS = gl.constexpr(40)
+_FP8_MAX = gl.constexpr(FP8_MAX)  # the SwiGLU epilogue's quantisation
 
 
 def usable(*, a: torch.Tensor, b_LDO: torch.Tensor, rows_per_expert: int) -> bool:
