@@ -357,6 +357,16 @@ def test_grouped_gemm_fp8_weights(a_kind, kmajor):
     torch.testing.assert_close(out[real].float().cpu(), want[real.cpu()].to(torch.bfloat16).float(), **TOL["bf16"])
 
 
+def skewed_fp8_case(D, O, gen):
+    """The Hopper kernel's test experts: skewed (an empty one, one row, several m tiles) in
+    segments padded to 128 rows, fp8 block-scaled weights. Returns (row_offsets_L1,
+    num_tokens_L, real, q, s)."""
+    counts = [300, 0, 1, 129, 77, 256]
+    offsets, num_tokens, real = make_layout(counts, 128, 5)
+    q, s, _ = fp8_weights(len(counts), D, O, gen)
+    return offsets, num_tokens, real, q, s
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_sms", [None, 3], ids=["grid-per-sm", "3-programs"])
 @pytest.mark.parametrize("gather", [False, True], ids=["in-place", "gathered"])
@@ -370,10 +380,9 @@ def test_grouped_gemm_fp8_weights_hopper_kernel(gather, num_sms):
     from ray_ep.kernels import grouped_gemm_sm90
 
     gen = torch.Generator().manual_seed(23)
-    counts = [300, 0, 1, 129, 77, 256]
-    offsets, num_tokens, real = make_layout(counts, 128, 5)
-    M, D, O = real.shape[0], 512, 512
-    q, s, _ = fp8_weights(len(counts), D, O, gen)
+    D, O = 512, 512
+    offsets, num_tokens, real, q, s = skewed_fp8_case(D, O, gen)
+    M = real.shape[0]
     rows = 1500 if gather else M
     x, xs = reference.quantize_fp8(torch.randn(rows, D, generator=gen).to(torch.bfloat16))
     wire = torch.zeros(rows, D + 64, dtype=torch.uint8, device=device)  # D fp8 bytes, then scales
@@ -384,11 +393,11 @@ def test_grouped_gemm_fp8_weights_hopper_kernel(gather, num_sms):
     a_row_ids = None
     if gather:
         ids = torch.full((M,), -1, dtype=torch.int32)
-        ids[real.cpu()] = torch.randperm(rows, generator=gen)[: sum(counts)].to(torch.int32)
+        ids[real.cpu()] = torch.randperm(rows, generator=gen)[: int(real.sum())].to(torch.int32)
         a_row_ids = ids.to(device)
     else:
         a, a_s = a[:M], a_s[:M]
-    assert grouped_gemm_sm90.usable(a=a, b_LDO=q, rows_per_expert=M // len(counts))
+    assert grouped_gemm_sm90.usable(a=a, b_LDO=q, rows_per_expert=M // len(num_tokens))
     check("bf16", real, a=a, a_scales=a_s, b_LDO=q, b_scales=s, row_offsets_L1=offsets, num_tokens_L=num_tokens,
           a_row_ids=a_row_ids, num_sms=num_sms)
 
@@ -405,20 +414,19 @@ def test_grouped_gemm_swiglu_out_matches_gemm_then_swiglu(gather, num_sms):
     from ray_ep.kernels.grouped_gemm import fuses_swiglu
 
     gen = torch.Generator().manual_seed(31)
-    counts = [300, 0, 1, 129, 77, 256]
-    offsets, num_tokens, real = make_layout(counts, 128, 5)
-    M, D, F = real.shape[0], 512, 256
-    q, s, _ = fp8_weights(len(counts), D, 2 * F, gen)
+    D, F = 512, 256
+    offsets, num_tokens, real, q, s = skewed_fp8_case(D, 2 * F, gen)
+    M = real.shape[0]
     rows = 1500 if gather else M
     x, xs = reference.quantize_fp8(torch.randn(rows, D, generator=gen).to(torch.bfloat16))
     a, a_s = x.to(device), xs.to(device)
     ids = torch.full((M,), -1, dtype=torch.int32)
-    ids[real.cpu()] = (torch.randperm(rows, generator=gen)[: sum(counts)] if gather
+    ids[real.cpu()] = (torch.randperm(rows, generator=gen)[: int(real.sum())] if gather
                        else torch.nonzero(real.cpu())[:, 0]).to(torch.int32)
     ids = ids.to(device)
     kw = dict(a=a, a_scales=a_s, b_LDO=q, b_scales=s, row_offsets_L1=offsets, num_tokens_L=num_tokens,
               a_row_ids=ids if gather else None, num_sms=num_sms)
-    assert fuses_swiglu(a=a, b_LDO=q, rows_per_expert=M // len(counts))
+    assert fuses_swiglu(a=a, b_LDO=q, rows_per_expert=M // len(num_tokens))
     h = grouped_gemm(**kw)
     want_q = torch.zeros(M, F, dtype=torch.float8_e4m3fn, device=device)
     want_s = torch.full((M, F // 128), 5.0, device=device)
