@@ -318,8 +318,10 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
 
 
 def expert_gemms(h: DispatchHandle, experts, scratch):
-    """A call that runs this rank's two expert GEMMs as :func:`run_experts` does (gate_up into
-    ``scratch.h_M2F``, down from ``scratch.a_MF`` into ``scratch.y_MH``), SwiGLU left out."""
+    """A call that runs this rank's two expert GEMMs (gate_up into ``scratch.h_M2F``, down from
+    ``scratch.a_MF`` into ``scratch.y_MH``), SwiGLU left out: the products torch's grouped GEMM
+    is compared with. (With fp8 weights on Hopper, :func:`run_experts` runs the SwiGLU inside
+    the gate_up GEMM instead, and never writes ``h_M2F``.)"""
     on_gpu = h.x_rows.device.type == "cuda"
     gemm = grouped_gemm if on_gpu else grouped_gemm_torch
     r = h.recv
