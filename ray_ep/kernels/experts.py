@@ -174,8 +174,8 @@ def _run(gemm, act, handle: DispatchHandle, experts: LocalExperts, scratch: Expe
         regions = (r.recv_counts_R, scratch.region_rows)
     gate_up = dict(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=row_ids, b_LDO=experts.w_gate_up_LHF2,
                    b_scales=experts.w_gate_up_scales, out=h, num_sms=num_sms, fp8_rows=x_fp8, a_regions=regions, **segs)
-    if fuse and a_scales is not None and fuses_swiglu(a=handle.x_rows, b_LDO=experts.w_gate_up_LHF2,
-                                                      rows_per_expert=row_ids.shape[0] // r.num_tokens_L.shape[0]):
+    if fuse and fuses_swiglu(a=handle.x_rows, b_LDO=experts.w_gate_up_LHF2,
+                             rows_per_expert=row_ids.shape[0] // r.num_tokens_L.shape[0]):
         # fp8 weights on Hopper: the SwiGLU in the GEMM's epilogue, h never written
         gemm(**gate_up, swiglu_out=(a, a_scales))
     else:

@@ -508,11 +508,12 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     elif not b_fp8 and a.dtype != torch.bfloat16:  # bf16 tensor cores take bf16 rows: decode once
         a, a_scales = decode_rows_bf16(a=a, a_scales=a_scales, row_offsets_L1=row_offsets_L1,
                                        num_tokens_L=num_tokens_L, a_row_ids=a_row_ids, a_regions=a_regions), None
-    if swiglu_out is not None and not sm90.usable(a=a, b_LDO=b_LDO, rows_per_expert=M // L):
+    hopper = b_fp8 and sm90.usable(a=a, b_LDO=b_LDO, rows_per_expert=M // L)  # prefill shapes
+    if swiglu_out is not None and not hopper:
         # fuses_swiglu said yes, but the rows converted for the fp8 tensor cores (fp8_rows) are not
         # ones TMA can address: the Triton kernel would not write swiglu_out
         raise EPInputError("swiglu_out: fp8_rows must be contiguous rows 16-byte aligned for the Hopper kernel")
-    if b_fp8 and sm90.usable(a=a, b_LDO=b_LDO, rows_per_expert=M // L):  # Hopper, prefill shapes
+    if hopper:
         return sm90.grouped_gemm_fp8_sm90(
             a=a, a_scales=a_scales, a_row_ids=a_row_ids, b_LDO=b_LDO, b_scales=b_scales, row_offsets_L1=row_offsets_L1,
             num_tokens_L=num_tokens_L, out=out if swiglu_out is None else swiglu_out[0], num_sms=num_sms,
