@@ -94,10 +94,10 @@ class EPConfig(BaseModel):
     per-tensor scale of 1), see :mod:`ray_ep.nvfp4`; fp32 / fp64 (backend 'torch' only) move
     rows at full precision (CPU training, gradcheck)."""
     expert_dtype: Literal["bf16", "fp8"] = "bf16"
-    """Routed expert weights on the device: bf16; or fp8 e4m3 with one fp32 scale per 128 x 128
-    block of each weight (the DeepSeek-V3 layout), multiplied on fp8 tensor cores with the
-    activations quantised per 128 channels. Given weights are converted to it at load
-    (bf16 quantised per block, fp8 dequantised); shared experts stay bf16."""
+    """Routed and shared expert weights on the device: bf16; or fp8 e4m3 with one fp32 scale per
+    128 x 128 block of each weight (the DeepSeek-V3 layout), multiplied on fp8 tensor cores with
+    the activations quantised per 128 channels. Given weights are converted to it at load
+    (bf16 quantised per block, fp8 dequantised)."""
     combine_dtype: Literal["bf16", "fp32", "fp64"] = "bf16"
     """Row format of expert outputs on the wire for combine (fp32 for exactness checks; fp64,
     backend 'torch' only, for float64 gradient checks)."""
@@ -415,8 +415,8 @@ class MemoryPlan:
     symmetric: int
     """The symmetric buffers (:class:`BufferPlan`)."""
     experts_per_layer: int
-    """One MoE layer's routed experts of this rank (L of them, bf16; or fp8 plus one fp32
-    scale per 128 x 128 block) plus the shared ones (bf16)."""
+    """One MoE layer's routed experts of this rank (L of them) plus the shared ones (S), bf16;
+    or fp8 plus one fp32 scale per 128 x 128 block."""
     scratch: int
     """Expert intermediates for the largest receive (max_recv_rows x (2F + F + H), bf16; with
     fp8 experts the F-wide SwiGLU output is fp8 plus one fp32 scale per 128 channels)."""
@@ -484,7 +484,7 @@ def _plan_memory(cfg: EPConfig) -> MemoryPlan:
     workspace = 4 * (M + 2 * L + 1 + R * L + R) + 4 * 4 * 132 * E + 4 * (E + 2 * R + 1) + 64
     return MemoryPlan(
         symmetric=plan_buffers(cfg).total_bytes,
-        experts_per_layer=L * routed + S * expert,
+        experts_per_layer=(L + S) * routed,
         scratch=M * ((2 * Fi + H) * bf16 + a_row) + rows_fp8,
         workspace=workspace,
         host_build=expert + 3 * H * Fi * DTYPE_BYTES["fp32"],

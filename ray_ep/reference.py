@@ -261,11 +261,20 @@ def combine_world(cfg: EPConfig, ys: list[torch.Tensor], dispatched: list[RankDi
 
 
 def shared_experts(x_TH: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
-    """Sum of the shared experts over a rank's own tokens, fp32 (float64 for float64 weights)."""
+    """Sum of the shared experts over a rank's own tokens, fp32 (float64 for float64 weights).
+    fp8 shared experts take the tokens as bf16 rows quantised per 128 channels, as fp8 routed
+    experts take bf16 dispatch's rows."""
     dt = _acc(weights.shared_down.dtype)
     out = torch.zeros(x_TH.shape, dtype=dt)
+    if weights.shared_fp8 and weights.shared_down.shape[0]:
+        x_q, x_s = quantize_fp8(x_TH.to(torch.bfloat16))
     for s in range(weights.shared_down.shape[0]):
-        out = out + swiglu_expert(x_TH, weights.shared_gate_up[s], weights.shared_down[s]).to(dt)
+        if weights.shared_fp8:
+            y = swiglu_expert_fp8(x_q, x_s, weights.shared_gate_up[s], weights.shared_gate_up_scales[s],
+                                  weights.shared_down[s], weights.shared_down_scales[s])
+        else:
+            y = swiglu_expert(x_TH, weights.shared_gate_up[s], weights.shared_down[s])
+        out = out + y.to(dt)
     return out
 
 

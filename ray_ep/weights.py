@@ -4,9 +4,9 @@ loading a DeepSeek-V3 checkpoint's experts from safetensors files.
 Legend: E routed experts, S shared experts, H hidden size, F expert intermediate size,
 L = E / R routed experts per rank.
 
-Routed experts come in bf16 (or fp16 / fp32, converted at load) or in fp8 e4m3 with one fp32
-scale per 128 x 128 block of each weight: ``weight = q * scale`` (DeepSeek-V3 ships its
-experts this way and calls the scale ``weight_scale_inv``). Shared experts are always float.
+Routed and shared experts come in bf16 (or fp16 / fp32, converted at load) or in fp8 e4m3
+with one fp32 scale per 128 x 128 block of each weight: ``weight = q * scale`` (DeepSeek-V3
+ships its experts, shared ones included, this way and calls the scale ``weight_scale_inv``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ class ExpertWeights:
     fp8 routed experts: ``w_gate_up`` / ``w_down`` are float8_e4m3fn (any strides: a
     checkpoint's [out, in] tensors enter as transposed views) and ``w_gate_up_scales``
     [E, H / 128, 2F / 128], ``w_down_scales`` [E, F / 128, H / 128] hold the fp32 scale of each
-    128 x 128 block (``weight = q * scale``); None for float weights."""
+    128 x 128 block (``weight = q * scale``); None for float weights. fp8 shared experts
+    likewise, with ``shared_gate_up_scales`` [S, H / 128, 2F / 128] and ``shared_down_scales``
+    [S, F / 128, H / 128] (routed and shared experts need not share a dtype)."""
 
     w_gate_up: torch.Tensor  # [E, H, 2F]
     w_down: torch.Tensor  # [E, F, H]
@@ -44,11 +46,18 @@ class ExpertWeights:
     shared_down: torch.Tensor  # [S, F, H]
     w_gate_up_scales: torch.Tensor | None = None  # [E, H / 128, 2F / 128] fp32, fp8 only
     w_down_scales: torch.Tensor | None = None  # [E, F / 128, H / 128] fp32, fp8 only
+    shared_gate_up_scales: torch.Tensor | None = None  # [S, H / 128, 2F / 128] fp32, fp8 only
+    shared_down_scales: torch.Tensor | None = None  # [S, F / 128, H / 128] fp32, fp8 only
 
     @property
     def fp8(self) -> bool:
         """True when the routed experts are fp8 with block scales."""
         return self.w_gate_up.dtype == torch.float8_e4m3fn
+
+    @property
+    def shared_fp8(self) -> bool:
+        """True when the shared experts are fp8 with block scales."""
+        return self.shared_gate_up.dtype == torch.float8_e4m3fn
 
     def __reduce__(self):
         # torch pickles a tensor's storage through a path that has no float8 (unpickling fails
@@ -60,34 +69,28 @@ class ExpertWeights:
     def local(self, rank: int, experts_per_rank: int) -> "ExpertWeights":
         """The slice of routed experts that ``rank`` holds (shared experts are replicated)."""
         sl = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
-        scales = [t[sl] if t is not None else None for t in (self.w_gate_up_scales, self.w_down_scales)]
-        return ExpertWeights(self.w_gate_up[sl], self.w_down[sl], self.shared_gate_up, self.shared_down, *scales)
+        return replace(self, w_gate_up=self.w_gate_up[sl], w_down=self.w_down[sl],
+                       **{k: getattr(self, k)[sl] for k in ("w_gate_up_scales", "w_down_scales")
+                          if getattr(self, k) is not None})
 
     def to_expert_dtype(self, expert_dtype: str) -> "ExpertWeights":
-        """The routed experts as ``expert_dtype`` wants them: "fp8" quantises float weights per
-        128 x 128 block (:func:`ray_ep.fp8.quantize_fp8_blocks_torch`), "bf16" dequantises fp8
-        weights and casts float ones to bf16. Shared experts become bf16. Unchanged tensors
-        are not copied."""
-        bf16 = (lambda t: t.to(torch.bfloat16))
-        shared = dict(shared_gate_up=bf16(self.shared_gate_up), shared_down=bf16(self.shared_down))
-        if expert_dtype == "fp8":
-            if self.fp8:
-                return replace(self, **shared)
-            (gu, gu_s), (dn, dn_s) = quantize_fp8_blocks_torch(self.w_gate_up), quantize_fp8_blocks_torch(self.w_down)
-            return ExpertWeights(gu, dn, w_gate_up_scales=gu_s, w_down_scales=dn_s, **shared)
-        if self.fp8:
-            return ExpertWeights(dequantize_fp8_blocks_torch(self.w_gate_up, self.w_gate_up_scales),
-                                 dequantize_fp8_blocks_torch(self.w_down, self.w_down_scales), **shared)
-        return ExpertWeights(bf16(self.w_gate_up), bf16(self.w_down), **shared)
+        """Routed and shared experts as ``expert_dtype`` wants them: "fp8" quantises float
+        weights per 128 x 128 block (:func:`ray_ep.fp8.quantize_fp8_blocks_torch`), "bf16"
+        dequantises fp8 weights and casts float ones to bf16. Unchanged tensors are not copied."""
+        gu, gu_s = _as_expert_dtype(self.w_gate_up, self.w_gate_up_scales, expert_dtype)
+        dn, dn_s = _as_expert_dtype(self.w_down, self.w_down_scales, expert_dtype)
+        sgu, sgu_s = _as_expert_dtype(self.shared_gate_up, self.shared_gate_up_scales, expert_dtype)
+        sdn, sdn_s = _as_expert_dtype(self.shared_down, self.shared_down_scales, expert_dtype)
+        return ExpertWeights(gu, dn, sgu, sdn, gu_s, dn_s, sgu_s, sdn_s)
 
-    def dequantized(self) -> "ExpertWeights":
-        """fp32 routed experts (``q * scale`` for fp8), shared experts as they are: what the
-        reference multiplies by."""
-        if not self.fp8:
-            return self
-        return ExpertWeights(dequantize_fp8_blocks_torch(self.w_gate_up, self.w_gate_up_scales, torch.float32),
-                             dequantize_fp8_blocks_torch(self.w_down, self.w_down_scales, torch.float32),
-                             self.shared_gate_up, self.shared_down)
+
+def _as_expert_dtype(w: torch.Tensor, scales: torch.Tensor | None,
+                     expert_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [N, D, O] (and its block scales for fp8) in ``expert_dtype``."""
+    fp8 = w.dtype == torch.float8_e4m3fn
+    if expert_dtype == "fp8":
+        return (w, scales) if fp8 else quantize_fp8_blocks_torch(w)
+    return (dequantize_fp8_blocks_torch(w, scales) if fp8 else w.to(torch.bfloat16)), None
 
 
 def _rebuild_expert_weights(parts: list) -> ExpertWeights:
@@ -104,61 +107,63 @@ def _dtype_name(dt: torch.dtype) -> str:
 def check_expert_weights(cfg: EPConfig, w: ExpertWeights, *, n_routed: int | None = None,
                          where: str = "weights") -> None:
     """Raise EPInputError unless ``w`` holds ``n_routed`` (default E) routed experts and the
-    S shared experts of ``cfg`` with the right shapes and dtypes. fp8 routed experts need H and
-    F multiples of 128 and block scales of the right shape, finite and positive; their values
-    must not be NaN. Float weights are not read (no pass over them)."""
+    S shared experts of ``cfg`` with the right shapes and dtypes. fp8 experts (routed or
+    shared) need H and F multiples of 128 and block scales of the right shape, finite and
+    positive; their values must not be NaN. Float weights are not read (no pass over them)."""
     H, Fi, S = cfg.hidden_size, cfg.intermediate_size, cfg.n_shared_experts
     E = cfg.n_experts if n_routed is None else n_routed
-    want = {"w_gate_up": (E, H, 2 * Fi), "w_down": (E, Fi, H), "shared_gate_up": (S, H, 2 * Fi),
-            "shared_down": (S, Fi, H)}
-    fp8 = w.fp8
-    for name, shape in want.items():
-        t = getattr(w, name)
-        if not isinstance(t, torch.Tensor):
-            raise EPInputError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if tuple(t.shape) != shape:
-            raise EPInputError(f"{where}: {name} has shape {list(t.shape)}, this config needs {list(shape)}")
-        routed = not name.startswith("shared")
-        allowed = (torch.float8_e4m3fn,) if routed and fp8 else FLOAT_DTYPES
-        if t.dtype not in allowed:
-            hint = (" (w_gate_up and w_down must both be fp8 or both float)" if routed
-                    else " (shared experts run in bf16: dequantise fp8 shared experts first)")
-            raise EPInputError(f"{where}: {name} is {_dtype_name(t.dtype)}, expected "
-                               f"{' or '.join(_dtype_name(d) for d in allowed)}{hint}")
-    scales = {"w_gate_up_scales": w.w_gate_up_scales, "w_down_scales": w.w_down_scales}
-    if not fp8:
-        given = [k for k, v in scales.items() if v is not None]
-        if given:
-            raise EPInputError(f"{where}: {', '.join(given)} given for {_dtype_name(w.w_gate_up.dtype)} weights; "
-                               f"block scales belong to float8_e4m3fn weights only")
-        return
-    for name, size in (("hidden_size (H)", H), ("intermediate_size (F)", Fi)):
-        if size % FP8_GROUP:
-            raise EPInputError(f"{where}: fp8 expert weights need {name} % {FP8_GROUP} == 0 (the reduction "
-                               f"dim of a GEMM, one scale per {FP8_GROUP} x {FP8_GROUP} block), got {size}")
+    kinds = {"routed": (E, "w_gate_up", "w_down", w.fp8), "shared": (S, "shared_gate_up", "shared_down", w.shared_fp8)}
+    for kind, (n, gate_up, down, fp8) in kinds.items():
+        for name, shape in ((gate_up, (n, H, 2 * Fi)), (down, (n, Fi, H))):
+            t = getattr(w, name)
+            if not isinstance(t, torch.Tensor):
+                raise EPInputError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise EPInputError(f"{where}: {name} has shape {list(t.shape)}, this config needs {list(shape)}")
+            allowed = (torch.float8_e4m3fn,) if fp8 else FLOAT_DTYPES
+            if t.dtype not in allowed:
+                raise EPInputError(f"{where}: {name} is {_dtype_name(t.dtype)}, expected "
+                                   f"{' or '.join(_dtype_name(d) for d in allowed)} ({gate_up} and {down} "
+                                   f"must both be fp8 or both float)")
+        pairs = ((f"{gate_up}_scales", gate_up), (f"{down}_scales", down))
+        if not fp8:
+            given = [k for k, _ in pairs if getattr(w, k) is not None]
+            if given:
+                raise EPInputError(f"{where}: {', '.join(given)} given for {_dtype_name(getattr(w, gate_up).dtype)} "
+                                   f"{kind} experts; block scales belong to float8_e4m3fn weights only")
+            continue
+        for name, size in (("hidden_size (H)", H), ("intermediate_size (F)", Fi)):
+            if size % FP8_GROUP:
+                raise EPInputError(f"{where}: fp8 expert weights need {name} % {FP8_GROUP} == 0 (the reduction "
+                                   f"dim of a GEMM, one scale per {FP8_GROUP} x {FP8_GROUP} block), got {size}")
+        for name, weight in pairs:
+            _check_block_scales(getattr(w, name), getattr(w, weight), name, weight, where)
+
+
+def _check_block_scales(t, q: torch.Tensor, name: str, weight: str, where: str) -> None:
+    """fp32 scales ``t`` of fp8 ``q`` [N, D, O]: [N, D / 128, O / 128], finite and positive; no
+    NaN code in ``q``."""
     G = FP8_GROUP
-    for name, weight in (("w_gate_up_scales", "w_gate_up"), ("w_down_scales", "w_down")):
-        t, q = scales[name], getattr(w, weight)
-        shape = (E, q.shape[1] // G, q.shape[2] // G)
-        if t is None:
-            raise EPInputError(f"{where}: fp8 {weight} needs {name} {list(shape)} fp32 (one scale per "
-                               f"{G} x {G} block; DeepSeek-V3's weight_scale_inv)")
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise EPInputError(f"{where}: {name} has shape {got}, expected {list(shape)} (one scale per "
-                               f"{G} x {G} block of {weight} {list(q.shape)})")
-        if t.dtype != torch.float32:
-            raise EPInputError(f"{where}: {name} is {_dtype_name(t.dtype)}, expected float32")
-        bad = ~torch.isfinite(t) | (t <= 0)
-        if bool(bad.any()):
-            i = tuple(int(v) for v in bad.nonzero()[0])
-            raise EPInputError(f"{where}: {name} holds a scale that is not finite and positive "
-                               f"({float(t[i])} at {list(i)}); every block scale must be > 0 and finite")
-        # e4m3fn's only non-finite codes are NaN: 0x7F and 0xFF
-        nan = (q.view(torch.uint8) & 0x7F) == 0x7F
-        if bool(nan.any()):
-            i = tuple(int(v) for v in nan.nonzero()[0])
-            raise EPInputError(f"{where}: {weight} holds NaN at {list(i)}")
+    shape = (q.shape[0], q.shape[1] // G, q.shape[2] // G)
+    if t is None:
+        raise EPInputError(f"{where}: fp8 {weight} needs {name} {list(shape)} fp32 (one scale per "
+                           f"{G} x {G} block; DeepSeek-V3's weight_scale_inv)")
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise EPInputError(f"{where}: {name} has shape {got}, expected {list(shape)} (one scale per "
+                           f"{G} x {G} block of {weight} {list(q.shape)})")
+    if t.dtype != torch.float32:
+        raise EPInputError(f"{where}: {name} is {_dtype_name(t.dtype)}, expected float32")
+    bad = ~torch.isfinite(t) | (t <= 0)
+    if bool(bad.any()):
+        i = tuple(int(v) for v in bad.nonzero()[0])
+        raise EPInputError(f"{where}: {name} holds a scale that is not finite and positive "
+                           f"({float(t[i])} at {list(i)}); every block scale must be > 0 and finite")
+    # e4m3fn's only non-finite codes are NaN: 0x7F and 0xFF
+    nan = (q.view(torch.uint8) & 0x7F) == 0x7F
+    if bool(nan.any()):
+        i = tuple(int(v) for v in nan.nonzero()[0])
+        raise EPInputError(f"{where}: {weight} holds NaN at {list(i)}")
 
 
 def init_expert_weights(cfg: EPConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
@@ -172,9 +177,8 @@ def init_expert_weights(cfg: EPConfig, seed: int = 0, dtype: torch.dtype = torch
     ``device`` instead (seconds instead of minutes for a large layer, for benchmarks), but
     those values differ from the CPU draw, so nothing can compare them with the reference.
 
-    With ``cfg.expert_dtype == "fp8"`` the routed experts are the same ``dtype`` weights
-    quantised per 128 x 128 block (so bf16 and fp8 layers of one seed compare); shared experts
-    stay ``dtype``.
+    With ``cfg.expert_dtype == "fp8"`` the routed and shared experts are the same ``dtype``
+    weights quantised per 128 x 128 block (so bf16 and fp8 layers of one seed compare).
     """
     H, Fi, E, S = cfg.hidden_size, cfg.intermediate_size, cfg.n_experts, cfg.n_shared_experts
     ids = range(E) if experts is None else experts
@@ -199,15 +203,17 @@ def init_expert_weights(cfg: EPConfig, seed: int = 0, dtype: torch.dtype = torch
         return out
 
     G, f8 = FP8_GROUP, torch.float8_e4m3fn
-    shared_gate_up, shared_down = stacked(S, lambda s: one(E + s), [((H, 2 * Fi), dtype), ((Fi, H), dtype)])
     if not fp8:
-        gate_up, down = stacked(len(ids), lambda i: one(ids[i]), [((H, 2 * Fi), dtype), ((Fi, H), dtype)])
+        shapes = [((H, 2 * Fi), dtype), ((Fi, H), dtype)]
+        gate_up, down = stacked(len(ids), lambda i: one(ids[i]), shapes)
+        shared_gate_up, shared_down = stacked(S, lambda s: one(E + s), shapes)
         return ExpertWeights(gate_up, down, shared_gate_up, shared_down)
-    gate_up, gate_up_s, down, down_s = stacked(
-        len(ids), lambda i: one(ids[i], True),
-        [((H, 2 * Fi), f8), ((H // G, 2 * Fi // G), torch.float32), ((Fi, H), f8), ((Fi // G, H // G), torch.float32)])
-    return ExpertWeights(gate_up, down, shared_gate_up, shared_down, w_gate_up_scales=gate_up_s,
-                         w_down_scales=down_s)
+    shapes = [((H, 2 * Fi), f8), ((H // G, 2 * Fi // G), torch.float32), ((Fi, H), f8),
+              ((Fi // G, H // G), torch.float32)]
+    gate_up, gate_up_s, down, down_s = stacked(len(ids), lambda i: one(ids[i], True), shapes)
+    shared_gate_up, shared_gate_up_s, shared_down, shared_down_s = stacked(S, lambda s: one(E + s, True), shapes)
+    return ExpertWeights(gate_up, down, shared_gate_up, shared_down, gate_up_s, down_s, shared_gate_up_s,
+                         shared_down_s)
 
 
 # ---- DeepSeek-V3 checkpoints ---------------------------------------------------------------
@@ -248,8 +254,8 @@ def load_deepseek_experts(path: str | Path | Sequence[str | Path], cfg: EPConfig
     ``{prefix}shared_experts.*`` for the S shared experts, where prefix is
     ``model.layers.{layer}.mlp.``. fp8 routed experts stay fp8: gate and up stack into
     ``w_gate_up`` [E, H, 2F], a transposed view of the checkpoint's [out, in] rows (the
-    K-major layout fp8 tensor cores read); shared experts are dequantised to bf16. Float
-    checkpoints load as bf16. Checked with :func:`check_expert_weights`."""
+    K-major layout fp8 tensor cores read), and so do fp8 shared experts. Float checkpoints load
+    as bf16. Checked with :func:`check_expert_weights`."""
     from safetensors import safe_open
 
     index = _safetensors_index(path)
@@ -271,13 +277,13 @@ def load_deepseek_experts(path: str | Path | Sequence[str | Path], cfg: EPConfig
             else None
         return w, s
 
-    def expert(part: str, dequantize: bool) -> tuple[torch.Tensor, ...]:
+    def expert(part: str) -> tuple[torch.Tensor, ...]:
         (g, gs), (u, us), (d, ds) = proj(part, "gate"), proj(part, "up"), proj(part, "down")
-        if g.dtype != torch.float8_e4m3fn or dequantize:
-            deq = (lambda w, s: w.to(torch.bfloat16) if s is None else dequantize_fp8_blocks_torch(w, s))
-            return torch.cat([deq(g, gs), deq(u, us)]).t(), deq(d, ds).t(), None, None
-        if gs is None or us is None or ds is None:
+        fp8 = [s is not None for s in (gs, us, ds)]
+        if any(fp8) and not all(fp8):
             raise EPInputError(f"{path}: layer {layer} {part}: mixed fp8 and float projections")
+        if not any(fp8):
+            return torch.cat([g, u]).to(torch.bfloat16).t(), d.to(torch.bfloat16).t(), None, None
         return torch.cat([g, u]).t(), d.t(), torch.cat([gs, us]).t(), ds.t()
 
     if cfg.n_shared_experts > 1:
@@ -286,8 +292,8 @@ def load_deepseek_experts(path: str | Path | Sequence[str | Path], cfg: EPConfig
     if not ids:
         raise EPInputError("experts must name at least one routed expert to load")
     try:
-        routed = [expert(f"experts.{e}", False) for e in ids]
-        shared = [expert("shared_experts", True)] if cfg.n_shared_experts else []
+        routed = [expert(f"experts.{e}") for e in ids]
+        shared = [expert("shared_experts")] if cfg.n_shared_experts else []
     finally:
         opened.clear()
     H, Fi = cfg.hidden_size, cfg.intermediate_size
@@ -300,6 +306,7 @@ def load_deepseek_experts(path: str | Path | Sequence[str | Path], cfg: EPConfig
 
     empty = torch.empty(0, H, 2 * Fi, dtype=torch.bfloat16), torch.empty(0, Fi, H, dtype=torch.bfloat16)
     w = ExpertWeights(stack(routed, 0), stack(routed, 1), stack(shared, 0) if shared else empty[0],
-                      stack(shared, 1) if shared else empty[1], stack(routed, 2), stack(routed, 3))
+                      stack(shared, 1) if shared else empty[1], stack(routed, 2), stack(routed, 3),
+                      stack(shared, 2), stack(shared, 3))
     check_expert_weights(cfg, w, n_routed=len(ids), where=f"{path} layer {layer}")
     return w

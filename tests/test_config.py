@@ -530,11 +530,11 @@ def test_memory_plan_from_its_definition():
     assert plan.symmetric == plan_buffers(cfg).total_bytes
     assert plan.check_reference >= (E + 1) * 3 * H * Fi * 2
     assert plan.per_rank(2) == plan.symmetric + plan.scratch + plan.workspace + 2 * plan.experts_per_layer
-    # fp8 routed experts: a byte per weight plus a fp32 scale per 128 x 128 block; the shared
-    # expert stays bf16; the SwiGLU output is fp8 with a scale per 128 channels
+    # fp8 routed and shared experts: a byte per weight plus a fp32 scale per 128 x 128 block;
+    # the SwiGLU output is fp8 with a scale per 128 channels
     f8 = plan_memory(cfg.model_copy(update={"expert_dtype": "fp8"}))
     blocks = (H // 128) * (2 * Fi // 128) + (Fi // 128) * (H // 128)
-    assert f8.experts_per_layer == L * (3 * H * Fi + 4 * blocks) + 3 * H * Fi * 2
+    assert f8.experts_per_layer == (L + 1) * (3 * H * Fi + 4 * blocks)
     # bf16 dispatch: the receive rows quantised once for the fp8 GEMM, a byte per channel and
     # a fp32 scale per 128 (fp8 dispatch delivers them so)
     rows_fp8 = cfg.world_size * cfg.max_tokens_per_rank * (H + 4 * H // 128)

@@ -204,7 +204,10 @@ def test_init_expert_weights_fp8_is_the_bf16_draw_quantised_per_block():
     assert f8.fp8 and not bf.fp8
     assert f8.w_gate_up.dtype == f8.w_down.dtype == torch.float8_e4m3fn
     assert f8.w_gate_up_scales.shape == (8, 2, 2) and f8.w_down_scales.shape == (8, 1, 2)
-    assert torch.equal(f8.shared_gate_up, bf.shared_gate_up) and f8.shared_down.dtype == torch.bfloat16
+    # shared experts: the same draw quantised the same way
+    assert f8.shared_fp8 and f8.shared_gate_up_scales.shape == (1, 2, 2) and f8.shared_down_scales.shape == (1, 1, 2)
+    sq, ss = bf.to_expert_dtype("fp8").shared_down, bf.to_expert_dtype("fp8").shared_down_scales
+    assert torch.equal(f8.shared_down.view(torch.uint8), sq.view(torch.uint8)) and torch.equal(f8.shared_down_scales, ss)
     # per 128 x 128 block: scale = amax / 448, so the block's largest value becomes +-448
     w, q, s = bf.w_gate_up[1, 128:, :128].float(), f8.w_gate_up[1, 128:, :128].float(), f8.w_gate_up_scales[1, 1, 0]
     assert float(s) == pytest.approx(float(w.abs().max()) / 448, rel=1e-6)
@@ -225,6 +228,15 @@ def test_init_expert_weights_fp8_is_the_bf16_draw_quantised_per_block():
     assert back.w_down.dtype == torch.bfloat16 and back.w_down_scales is None
     assert torch.equal(back.w_down, (f8.w_down.float() * f8.w_down_scales.repeat_interleave(128, 1)
                                      .repeat_interleave(128, 2)).to(torch.bfloat16))
+    assert not back.shared_fp8 and back.shared_down_scales is None
+    assert torch.equal(back.shared_down, (f8.shared_down.float() * f8.shared_down_scales.repeat_interleave(128, 1)
+                                          .repeat_interleave(128, 2)).to(torch.bfloat16))
+    # fp8 weights into an fp8 config: the same tensors, not copies
+    assert f8.to_expert_dtype("fp8").shared_gate_up is f8.shared_gate_up
+    # no shared experts: empty tensors either way
+    none = init_expert_weights(fp8_cfg(n_shared=0), seed=3)
+    assert none.shared_fp8 and none.shared_gate_up.shape == (0, 256, 256) and none.shared_down_scales.shape == (0, 1, 2)
+    assert none.to_expert_dtype("bf16").shared_down.shape == (0, 128, 256)
 
 
 def test_check_expert_weights_messages():
@@ -240,7 +252,14 @@ def test_check_expert_weights_messages():
         (replace(w, w_down_scales=w.w_down_scales[:, :, :1]), r"w_down_scales has shape \[8, 1, 1\], expected \[8, 1, 2\]"),
         (replace(w, w_gate_up_scales=w.w_gate_up_scales * float("inf")), "not finite and positive"),
         (replace(w, w_down_scales=-w.w_down_scales), r"not finite and positive \(-"),
-        (replace(w, shared_down=w.shared_down.to(torch.float8_e4m3fn)), "shared experts run in bf16"),
+        (replace(w, shared_down=w.shared_down.float()),
+         "shared_down is float32, expected float8_e4m3fn \\(shared_gate_up and shared_down must both be fp8"),
+        (replace(w, shared_down_scales=None), r"fp8 shared_down needs shared_down_scales \[1, 1, 2\] fp32"),
+        (replace(w, shared_gate_up_scales=w.shared_gate_up_scales[:, :1]),
+         r"shared_gate_up_scales has shape \[1, 1, 2\], expected \[1, 2, 2\]"),
+        (replace(w.to_expert_dtype("bf16"), shared_down_scales=w.shared_down_scales),
+         "shared_down_scales given for bfloat16 shared experts"),
+        (replace(w, w_down=w.w_down.float()), r"w_down is float32, expected float8_e4m3fn \(w_gate_up and w_down"),
         (replace(w, w_down=w.w_down[:4]), r"w_down has shape \[4, 128, 256\], this config needs \[8, 128, 256\]"),
     ]
     for bad, match in cases:
@@ -299,12 +318,14 @@ def test_load_deepseek_experts(tmp_path):
     w = load_deepseek_experts(tmp_path, cfg, layer=3)
     assert w.fp8 and w.w_gate_up.shape == (E, H, 2 * Fi) and w.w_down.shape == (E, Fi, H)
     assert w.w_gate_up.stride(1) == 1 and w.w_down.stride(1) == 1  # K-major views of [out, in] rows
-    assert w.shared_gate_up.dtype == torch.bfloat16 and w.shared_gate_up.shape == (1, H, 2 * Fi)
+    assert w.shared_fp8 and w.shared_gate_up.shape == (1, H, 2 * Fi) and w.shared_down_scales.shape == (1, 1, 2)
+    assert w.shared_gate_up.stride(1) == 1  # shared experts stay fp8 too, as K-major views
     # the same values as quantising our [in, out] weights per block (blocks are transposes)
     for e in (0, E - 1):
         gu = dequantize_fp8_blocks_torch(w.w_gate_up[e], w.w_gate_up_scales[e], torch.float32)
         assert torch.allclose(gu, experts[e][0], rtol=2**-4, atol=float(w.w_gate_up_scales[e].max()) * 2**-9)
-    assert torch.allclose(w.shared_down[0].float(), shared[1], rtol=2**-4, atol=0.02)  # dequantised
+    sd = dequantize_fp8_blocks_torch(w.shared_down[0], w.shared_down_scales[0], torch.float32)
+    assert torch.allclose(sd, shared[1], rtol=2**-4, atol=float(w.shared_down_scales.max()) * 2**-9)
     # one rank's slice reads only its experts and matches the whole
     part = load_deepseek_experts(tmp_path, cfg, layer=3, experts=range(4, 8))
     assert torch.equal(part.w_down.view(torch.uint8), w.w_down[4:].view(torch.uint8))
@@ -317,6 +338,7 @@ def test_load_deepseek_experts(tmp_path):
     _save_deepseek(bf, cfg, 0, experts, shared, fp8=False)
     wb = load_deepseek_experts(bf, cfg, layer=0)
     assert not wb.fp8 and torch.equal(wb.w_down[2], experts[2][1].to(torch.bfloat16))
+    assert not wb.shared_fp8 and torch.equal(wb.shared_down[0], shared[1].to(torch.bfloat16))
 
 
 def test_deepseek_checkpoint_with_bad_scales_is_refused(tmp_path):

@@ -743,7 +743,7 @@ class TestFp8Dispatch:
 @pytest.fixture(scope="class")
 def ep_fp8w(ray_session):
     """tiny on 2 ranks with fp8 expert weights (F 128: both GEMMs reduce over multiples of 128),
-    bf16 dispatch (rows quantised to fp8 before the GEMM) and one shared expert (bf16)."""
+    bf16 dispatch (rows quantised to fp8 before the GEMM) and one shared expert (fp8 too)."""
     ep = start_cluster(EPConfig.preset("tiny", gpus_per_node=2, intermediate_size=128, expert_dtype="fp8",
                                        n_shared_experts=1))
     yield ep
@@ -791,7 +791,7 @@ BAD_FP8 = ["scale-shape", "nan-scale", "zero-scale", "no-scales", "fp64-scales",
 
 
 class TestFp8Experts:
-    """Routed experts in fp8 e4m3 with one fp32 scale per 128 x 128 block; the reference
+    """Routed and shared experts in fp8 e4m3 with one fp32 scale per 128 x 128 block; the reference
     dequantises the weights and quantises the activations per 128 channels the same way, so
     the comparison keeps the bf16 tolerance."""
 
@@ -799,7 +799,7 @@ class TestFp8Experts:
     def test_check_and_forward(self, ep_fp8w, routing):
         cfg = ep_fp8w.config
         w = world_weights(cfg, LAYER0_SEED)
-        assert w.fp8 and w.shared_down.dtype == torch.bfloat16
+        assert w.fp8 and w.shared_fp8 and w.shared_down.shape[0] == cfg.n_shared_experts > 0
         assert ep_fp8w.check(num_tokens=[12, 0], routing=routing, seed=70).passed
         xs, ids, ws = inputs(cfg, cfg.max_tokens_per_rank, seed=71, routing=routing)
         for fused in (True, False):

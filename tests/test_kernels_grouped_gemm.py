@@ -265,6 +265,33 @@ def test_shared_experts_into_given_output():
         shared_experts(x, experts, out=torch.zeros(8, 64, device=device))
 
 
+@pytest.mark.parametrize("tokens", [0, 8, 300])
+def test_shared_experts_fp8_weights_match_reference(tokens):
+    # fp8 shared experts: the routed chain over one group of every token (on Hopper, 300
+    # tokens take the Gluon kernel with the SwiGLU in its epilogue: more than 64 rows, the last
+    # tile partial); against reference.shared_experts, which quantises the tokens and the
+    # SwiGLU output and dequantises the weights. Tolerance as for the routed fp8 chain.
+    cfg = EPConfig(hidden_size=256, n_experts=4, top_k=2, max_tokens_per_rank=8, intermediate_size=256,
+                   n_shared_experts=2, gpus_per_node=2, expert_dtype="fp8")
+    weights = init_expert_weights(cfg, seed=5)
+    assert weights.shared_fp8
+    experts = LocalExperts.build(cfg, weights.local(0, cfg.experts_per_rank), device)
+    assert experts.shared_gate_up_SHF2.stride(1) == 1 and experts.shared_down_scales.shape == (2, 2, 2)  # K-major
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    got = shared_experts(x.to(device), experts).cpu()
+    want = reference.shared_experts(x, weights)
+    assert got.shape == want.shape == (tokens, 256) and got.dtype == torch.float32
+    if tokens:
+        close = torch.isclose(got, want, **TOL["chain"])
+        assert close.float().mean() >= 0.98, f"{close.float().mean():.3f} of the elements within the chain tolerance"
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    # the bf16 shared experts of the same draw: fp8's error is a few percent, not more
+    bf16 = reference.shared_experts(x, weights.to_expert_dtype("bf16"))
+    if tokens:
+        rel = ((got - bf16).norm() / bf16.norm()).item()
+        assert 0 < rel < 0.1, rel
+
+
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 @pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8", "nvfp4"])
 def test_expert_chain_fp8_weights_matches_reference(dispatch_dtype, routing):

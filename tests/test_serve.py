@@ -273,7 +273,8 @@ def test_fp8_expert_checkpoint(tmp_path):
     save_checkpoint(w8, path, dtype=torch.bfloat16)  # the cast spares fp8 experts and their scales
     check_checkpoint(path, cfg)
     back = load_checkpoint(path)
-    assert back.experts[1].fp8 and back.experts[1].shared_down.dtype == torch.bfloat16
+    assert back.experts[1].fp8 and back.experts[1].shared_fp8  # shared experts in fp8 too, with their scales
+    assert torch.equal(back.experts[1].shared_down_scales, w8.experts[1].shared_down_scales)
     assert torch.equal(back.experts[1].w_down.view(torch.uint8), w8.experts[1].w_down.view(torch.uint8))
     assert torch.equal(back.experts[0].w_gate_up_scales, w8.experts[0].w_gate_up_scales)
     fp8_logits = forward_reference(back, PROMPTS)

@@ -31,7 +31,9 @@ class LocalExperts:
     ``w_gate_up_scales`` [L, H / 128, 2F / 128] and ``w_down_scales`` [L, F / 128, H / 128]
     fp32 (one scale per 128 x 128 block) and D (the reduction dim) contiguous, the K-major
     layout fp8 tensor cores read. Shared experts ``shared_gate_up_SHF2`` [S, H, 2F] and
-    ``shared_down_SFH`` [S, F, H] bf16 (S may be 0).
+    ``shared_down_SFH`` [S, F, H] in the same dtype and layout (S may be 0), with
+    ``shared_gate_up_scales`` [S, H / 128, 2F / 128] and ``shared_down_scales`` [S, F / 128,
+    H / 128] when fp8.
     """
 
     w_gate_up_LHF2: torch.Tensor
@@ -40,6 +42,8 @@ class LocalExperts:
     shared_down_SFH: torch.Tensor
     w_gate_up_scales: torch.Tensor | None = None
     w_down_scales: torch.Tensor | None = None
+    shared_gate_up_scales: torch.Tensor | None = None
+    shared_down_scales: torch.Tensor | None = None
 
     @property
     def fp8(self) -> bool:
@@ -52,21 +56,23 @@ class LocalExperts:
         check_expert_weights(cfg, weights, n_routed=cfg.experts_per_rank)
         w = weights.to_expert_dtype(cfg.expert_dtype)
         if cfg.expert_dtype == "fp8":
-            # K-major: [L, D, O] with D contiguous (a no-op for a checkpoint's transposed views)
+            # K-major: [N, D, O] with D contiguous (a no-op for a checkpoint's transposed views)
             kmajor = (lambda t: t.to(device).transpose(1, 2).contiguous().transpose(1, 2))
-            return cls(kmajor(w.w_gate_up), kmajor(w.w_down), w.shared_gate_up.to(device), w.shared_down.to(device),
-                       w.w_gate_up_scales.to(device).contiguous(), w.w_down_scales.to(device).contiguous())
+            return cls(*(kmajor(t) for t in (w.w_gate_up, w.w_down, w.shared_gate_up, w.shared_down)),
+                       *(t.to(device).contiguous() for t in (w.w_gate_up_scales, w.w_down_scales,
+                                                             w.shared_gate_up_scales, w.shared_down_scales)))
         return cls(*(t.to(device) for t in (w.w_gate_up, w.w_down, w.shared_gate_up, w.shared_down)))
 
     def check(self, cfg: EPConfig) -> None:
         L, H, Fi, S = cfg.experts_per_rank, cfg.hidden_size, cfg.intermediate_size, cfg.n_shared_experts
-        routed = torch.float8_e4m3fn if cfg.expert_dtype == "fp8" else torch.bfloat16
-        want = {"w_gate_up_LHF2": ((L, H, 2 * Fi), routed), "w_down_LFH": ((L, Fi, H), routed),
-                "shared_gate_up_SHF2": ((S, H, 2 * Fi), torch.bfloat16), "shared_down_SFH": ((S, Fi, H), torch.bfloat16)}
+        dt = torch.float8_e4m3fn if cfg.expert_dtype == "fp8" else torch.bfloat16
+        want = {"w_gate_up_LHF2": ((L, H, 2 * Fi), dt), "w_down_LFH": ((L, Fi, H), dt),
+                "shared_gate_up_SHF2": ((S, H, 2 * Fi), dt), "shared_down_SFH": ((S, Fi, H), dt)}
         if cfg.expert_dtype == "fp8":
-            G = FP8_GROUP
-            want.update(w_gate_up_scales=((L, H // G, 2 * Fi // G), torch.float32),
-                        w_down_scales=((L, Fi // G, H // G), torch.float32))
+            G, f32 = FP8_GROUP, torch.float32
+            want.update(w_gate_up_scales=((L, H // G, 2 * Fi // G), f32), w_down_scales=((L, Fi // G, H // G), f32),
+                        shared_gate_up_scales=((S, H // G, 2 * Fi // G), f32),
+                        shared_down_scales=((S, Fi // G, H // G), f32))
         for name, (shape, dtype) in want.items():
             t = getattr(self, name)
             if t is None or tuple(t.shape) != shape or t.dtype != dtype:
@@ -191,9 +197,10 @@ def shared_experts(x_TH: torch.Tensor, experts: LocalExperts, out: torch.Tensor 
     ``out``: an fp32 [T, H] tensor to write the sum into (e.g. one allocated on the stream that
     reads it, while this runs on another); None: a new one.
 
-    Dense bf16 GEMMs with fp32 accumulation (cuBLAS on GPUs), rounding like the reference; on
-    GPUs the SwiGLU between them is :func:`ray_ep.kernels.activation.swiglu` (fp32, its sigmoid
-    may differ from torch's in the last bit, as for the routed experts)."""
+    bf16 experts: dense bf16 GEMMs with fp32 accumulation (cuBLAS on GPUs), rounding like the
+    reference; on GPUs the SwiGLU between them is :func:`ray_ep.kernels.activation.swiglu` (fp32,
+    its sigmoid may differ from torch's in the last bit, as for the routed experts). fp8
+    experts: the routed experts' chain (:func:`run_experts`) over one group of every token."""
     S = experts.shared_down_SFH.shape[0]
     if S == 0:
         return None
@@ -203,6 +210,8 @@ def shared_experts(x_TH: torch.Tensor, experts: LocalExperts, out: torch.Tensor 
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     else:
         check_tensor("out", out, shape=tuple(x.shape), dtypes=(torch.float32,), device=x.device)
+    if experts.shared_gate_up_scales is not None:
+        return _shared_experts_fp8(x, experts, out)
     if x.device.type == "cuda":
         # every row real: the SwiGLU kernel in one pass, where torch's ops took six over [T, 2F]
         # (one H200, deepseek-v3's shared expert over 4096 tokens, with the first expert copied
@@ -218,6 +227,40 @@ def shared_experts(x_TH: torch.Tensor, experts: LocalExperts, out: torch.Tensor 
             a = (torch.nn.functional.silu(h[:, :Fi]) * h[:, Fi:]).to(torch.bfloat16)
             y = (a.float() @ experts.shared_down_SFH[s].float()).to(torch.bfloat16)
         if s == 0:  # the first one as it is, not added to zeros (one pass over [T, H] fp32, not two)
+            out.copy_(y)
+        else:
+            out += y.float()
+    return out
+
+
+def _shared_experts_fp8(x: torch.Tensor, experts: LocalExperts, out: torch.Tensor) -> torch.Tensor:
+    """fp8 shared experts over bf16 rows ``x`` [T, H]: each is a grouped GEMM of one expert and
+    T rows (the rows quantised per 128 channels inside it), the SwiGLU quantised to fp8 (in the
+    gate_up GEMM's epilogue where :func:`fuses_swiglu` allows), then the down GEMM; sums into
+    ``out`` (fp32 [T, H])."""
+    T, dev = x.shape[0], x.device
+    if T == 0:
+        return out
+    gpu = dev.type == "cuda"
+    gemm, act = (grouped_gemm, swiglu) if gpu else (grouped_gemm_torch, swiglu_torch)
+    Fi, H = experts.shared_down_SFH.shape[1:]
+    # every token a row of one group; built on the device (no host copy: CUDA graphs capture it)
+    seg = dict(row_offsets_L1=torch.arange(2, dtype=torch.int32, device=dev) * T,
+               num_tokens_L=torch.full((1,), T, dtype=torch.int32, device=dev))
+    a = torch.empty(T, Fi, dtype=torch.float8_e4m3fn, device=dev)
+    a_scales = torch.empty(T, Fi // FP8_GROUP, dtype=torch.float32, device=dev)
+    y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    for s in range(experts.shared_down_SFH.shape[0]):
+        gate_up = dict(a=x, b_LDO=experts.shared_gate_up_SHF2[s:s + 1], b_scales=experts.shared_gate_up_scales[s:s + 1],
+                       **seg)
+        if gpu and fuses_swiglu(a=x, b_LDO=gate_up["b_LDO"], rows_per_expert=T):
+            gemm(**gate_up, swiglu_out=(a, a_scales))
+        else:
+            rows = torch.arange(T, dtype=torch.int32, device=dev)
+            act(h_M2F=gemm(**gate_up), row_ids_M=rows, total_rows=seg["num_tokens_L"], out=a, out_scales=a_scales)
+        gemm(a=a, a_scales=a_scales, b_LDO=experts.shared_down_SFH[s:s + 1],
+             b_scales=experts.shared_down_scales[s:s + 1], out=y, **seg)
+        if s == 0:
             out.copy_(y)
         else:
             out += y.float()

@@ -32,11 +32,12 @@ How the model is split over R workers (data-parallel attention, expert-parallel 
     last position of each sequence; ranks return its top logits.
 
 Checkpoint layout (safetensors; any float dtype, converted on load: dense to fp32, experts
-to bf16, except fp8 routed experts, which stay fp8 with their block scales). ``i`` runs over
+to bf16, except fp8 experts, which stay fp8 with their block scales). ``i`` runs over
 0..n_layers-1; the ``shared_experts`` keys exist iff n_shared_experts > 0; the
-``_scale_inv`` keys exist iff that layer's routed experts are float8_e4m3fn (both of them),
-one fp32 scale per 128 x 128 block, ``weight = q * scale`` (DeepSeek-V3's
-``weight_scale_inv``, in this layout's [in, out] blocks; H and F multiples of 128). The
+``_scale_inv`` keys of routed (or shared) experts exist iff that layer's routed (shared)
+experts are float8_e4m3fn (both weights), one fp32 scale per 128 x 128 block, ``weight = q *
+scale`` (DeepSeek-V3's ``weight_scale_inv``, in this layout's [in, out] blocks; H and F
+multiples of 128). The
 optional metadata entry ``ray_ep.model_config`` holds the :class:`MoEModelConfig` as JSON
 (written by :func:`save_checkpoint`).
 
@@ -55,6 +56,8 @@ layers.{i}.experts.w_gate_up_scale_inv [E, H/128, 2F/128]  fp8 routed experts on
 layers.{i}.experts.w_down_scale_inv  [E, F/128, H/128]  fp8 routed experts only: block scales
 layers.{i}.shared_experts.w_gate_up  [S_sh, H, 2F]  shared experts (every token), gate | up
 layers.{i}.shared_experts.w_down   [S_sh, F, H]     shared experts, down projection
+layers.{i}.shared_experts.w_gate_up_scale_inv [S_sh, H/128, 2F/128]  fp8 shared experts only
+layers.{i}.shared_experts.w_down_scale_inv  [S_sh, F/128, H/128]  fp8 shared experts only
 norm                               [H]              final RMSNorm scale
 head                               [H, V]           output head (logits = h @ head)
 =================================  ===============  ============================================
@@ -177,7 +180,7 @@ class MoEModelConfig(BaseModel):
 @dataclass(frozen=True)
 class ModelWeights:
     """All weights of the model on the CPU: ``dense`` (checkpoint keys without the expert
-    entries, fp32) and ``experts[i]`` (layer i's routed and shared experts, bf16)."""
+    entries, fp32) and ``experts[i]`` (layer i's routed and shared experts, bf16 or fp8)."""
 
     config: MoEModelConfig
     dense: dict[str, torch.Tensor]
@@ -195,6 +198,9 @@ class ModelWeights:
             if self.config.n_shared_experts:
                 out[f"layers.{i}.shared_experts.w_gate_up"] = w.shared_gate_up
                 out[f"layers.{i}.shared_experts.w_down"] = w.shared_down
+                if w.shared_fp8:
+                    out[f"layers.{i}.shared_experts.w_gate_up_scale_inv"] = w.shared_gate_up_scales
+                    out[f"layers.{i}.shared_experts.w_down_scale_inv"] = w.shared_down_scales
         return out
 
     @classmethod
@@ -220,17 +226,17 @@ class ModelWeights:
 
         def bf16(key: str, empty_shape: tuple[int, ...]) -> torch.Tensor:
             if key in tensors:
-                t = tensors[key]  # fp8 routed experts stay fp8 (with their scales, below)
+                t = tensors[key]  # fp8 experts stay fp8 (with their scales, below)
                 return (t if t.dtype == torch.float8_e4m3fn else t.to(torch.bfloat16)).contiguous()
             return torch.empty(empty_shape, dtype=torch.bfloat16)  # no shared experts
 
         experts = []
         for i in range(config.n_layers):
-            p = f"layers.{i}.experts."
+            p, sp = f"layers.{i}.experts.", f"layers.{i}.shared_experts."
             w = ExpertWeights(bf16(p + "w_gate_up", ()), bf16(p + "w_down", ()),
-                              bf16(f"layers.{i}.shared_experts.w_gate_up", (0, H, 2 * Fi)),
-                              bf16(f"layers.{i}.shared_experts.w_down", (0, Fi, H)),
-                              tensors.get(p + "w_gate_up_scale_inv"), tensors.get(p + "w_down_scale_inv"))
+                              bf16(sp + "w_gate_up", (0, H, 2 * Fi)), bf16(sp + "w_down", (0, Fi, H)),
+                              *(tensors.get(k + "_scale_inv") for k in (p + "w_gate_up", p + "w_down",
+                                                                        sp + "w_gate_up", sp + "w_down")))
             check_expert_weights(config.expert_config(), w, where=f"{source} layer {i}")
             experts.append(w)
         return cls(config, dense, experts)
@@ -252,12 +258,15 @@ def checkpoint_shapes(config: MoEModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def scale_shapes(config: MoEModelConfig) -> dict[str, tuple[int, ...]]:
-    """The optional block-scale keys of fp8 routed experts and their shapes."""
-    H, E, Fi, G = config.hidden_size, config.n_experts, config.intermediate_size, FP8_GROUP
+    """The optional block-scale keys of fp8 routed and shared experts and their shapes."""
+    H, Fi, G = config.hidden_size, config.intermediate_size, FP8_GROUP
+    parts = [("experts", config.n_experts)] + ([("shared_experts", config.n_shared_experts)]
+                                               if config.n_shared_experts else [])
     out = {}
     for i in range(config.n_layers):
-        out[f"layers.{i}.experts.w_gate_up_scale_inv"] = (E, H // G, 2 * Fi // G)
-        out[f"layers.{i}.experts.w_down_scale_inv"] = (E, Fi // G, H // G)
+        for part, n in parts:
+            out[f"layers.{i}.{part}.w_gate_up_scale_inv"] = (n, H // G, 2 * Fi // G)
+            out[f"layers.{i}.{part}.w_down_scale_inv"] = (n, Fi // G, H // G)
     return out
 
 
@@ -456,13 +465,8 @@ def moe_layer_reference(x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weig
         here = (ids >= 0) & (ids // L == d)
         partial = (y_TKH.float() * torch.where(here, topk_weights_TK.float(), 0.0)[..., None]).sum(dim=1)
         acc += partial.to(wire).float()
-    S = weights.shared_down.shape[0]
-    if S:  # summed on their own first, then added once (as the EP combine does)
-        shared = torch.zeros(T, H, dtype=torch.float32)
-        for s in range(S):
-            shared += reference.swiglu_expert(x_TH.to(torch.bfloat16), weights.shared_gate_up[s],
-                                              weights.shared_down[s]).float()
-        acc += shared
+    if weights.shared_down.shape[0]:  # summed on their own first, then added once (as the EP combine does)
+        acc += reference.shared_experts(x_TH.to(torch.bfloat16), weights)
     return acc
 
 
