@@ -85,8 +85,12 @@ def moe_layer(t: Transport, scratch: ExpertScratch, experts: LocalExperts, x_TH:
     inputs_ready = torch.cuda.Event()
     inputs_ready.record(main)
     # allocated on the stream that reads it after the join: no cross-stream lifetime to track
-    add = (torch.empty(x_TH.shape, dtype=torch.float32, device=x_TH.device)
+    add = (torch.empty(x_TH.shape, dtype=experts.shared_sum_dtype, device=x_TH.device)
            if experts.shared_down_SFH.shape[0] else None)
+    # a persistent GEMM beside a dispatch on an SM budget takes the SMs it leaves: programs
+    # placed on the dispatch's SMs would start only once it ends, and their tiles with them
+    budget, sms = t.cfg.num_sms, num_sms(x_TH.device)
+    beside = sms - budget if budget and budget < sms else None
     checking = t.check
     with _deferring([t]):
         h = t.dispatch(x_TH, topk_ids_TK, topk_weights_TK, fused=fused)
@@ -95,7 +99,7 @@ def moe_layer(t: Transport, scratch: ExpertScratch, experts: LocalExperts, x_TH:
             side = side_stream(x_TH.device)
             side.wait_event(inputs_ready)
             with torch.cuda.stream(side):
-                shared_experts(x_TH, experts, out=add)
+                shared_experts(x_TH, experts, out=add, num_sms=beside)
         y = run_experts(handle=h, experts=experts, scratch=scratch)
         if add is not None:
             main.wait_stream(side)
@@ -139,7 +143,7 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
         budget = transports[0].cfg.num_sms
         gemm_sms = max(1, num_sms(x_TH.device) - budget) if budget else None
         # the shared experts need no dispatch: they compute while the first one flies
-        adds = [shared_experts(p[0], experts) for p in parts]
+        adds = [shared_experts(p[0], experts, num_sms=gemm_sms) for p in parts]
         # combine_mode "pull": forming the partial rows is expert-side work (on the SMs the budget
         # leaves), so it follows the experts on the compute stream; the comm stream loads and sums
         pull = transports[0].cfg.combine_mode == "pull"

@@ -248,39 +248,49 @@ def test_expert_chain_matches_reference_experts(dispatch_dtype):
                 torch.testing.assert_close(y[real].float(), expected[rank][real].float(), **TOL[tol])
 
 
-def test_shared_experts_into_given_output():
+@pytest.mark.parametrize("n_shared", [1, 2])
+def test_shared_experts_into_given_output(n_shared):
     # the layer allocates the sum on the stream that reads it and computes it on another:
-    # the given output gets exactly the sum a new one would, whatever it held before
+    # the given output gets exactly the sum a new one would, whatever it held before. One
+    # shared expert's sum is its bf16 output as it is (no fp32 copy), several sum in fp32
     cfg = EPConfig(hidden_size=128, n_experts=4, top_k=2, max_tokens_per_rank=8, intermediate_size=64,
-                   n_shared_experts=2, gpus_per_node=2)
+                   n_shared_experts=n_shared, gpus_per_node=2)
     weights = init_expert_weights(cfg, seed=3)
     experts = LocalExperts.build(cfg, weights.local(0, cfg.experts_per_rank), device)
+    dtype = torch.bfloat16 if n_shared == 1 else torch.float32
+    assert experts.shared_sum_dtype == dtype
     x = torch.randn(8, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(device)
     fresh = shared_experts(x, experts)
-    out = torch.full((8, 128), float("nan"), device=device)
+    assert fresh.dtype == dtype
+    out = torch.full((8, 128), float("nan"), dtype=dtype, device=device)
     assert shared_experts(x, experts, out=out) is out
     assert torch.equal(out, fresh)
-    torch.testing.assert_close(fresh.cpu(), reference.shared_experts(x.cpu(), weights), **TOL["chain"])
+    torch.testing.assert_close(fresh.cpu().float(), reference.shared_experts(x.cpu(), weights), **TOL["chain"])
     with pytest.raises(EPInputError, match=r"out must have shape \(8, 128\)"):
-        shared_experts(x, experts, out=torch.zeros(8, 64, device=device))
+        shared_experts(x, experts, out=torch.zeros(8, 64, dtype=dtype, device=device))
+    other = torch.float32 if n_shared == 1 else torch.bfloat16
+    with pytest.raises(EPInputError, match="out"):
+        shared_experts(x, experts, out=torch.zeros(8, 128, dtype=other, device=device))
 
 
-@pytest.mark.parametrize("tokens", [0, 8, 300])
-def test_shared_experts_fp8_weights_match_reference(tokens):
+@pytest.mark.parametrize("tokens,n_shared", [(0, 2), (8, 2), (300, 2), (300, 1)])
+def test_shared_experts_fp8_weights_match_reference(tokens, n_shared):
     # fp8 shared experts: the routed chain over one group of every token (on Hopper, 300
     # tokens take the Gluon kernel with the SwiGLU in its epilogue: more than 64 rows, the last
     # tile partial); against reference.shared_experts, which quantises the tokens and the
     # SwiGLU output and dequantises the weights. Tolerance as for the routed fp8 chain.
     cfg = EPConfig(hidden_size=256, n_experts=4, top_k=2, max_tokens_per_rank=8, intermediate_size=256,
-                   n_shared_experts=2, gpus_per_node=2, expert_dtype="fp8")
+                   n_shared_experts=n_shared, gpus_per_node=2, expert_dtype="fp8")
     weights = init_expert_weights(cfg, seed=5)
     assert weights.shared_fp8
     experts = LocalExperts.build(cfg, weights.local(0, cfg.experts_per_rank), device)
-    assert experts.shared_gate_up_SHF2.stride(1) == 1 and experts.shared_down_scales.shape == (2, 2, 2)  # K-major
+    assert experts.shared_gate_up_SHF2.stride(1) == 1 and experts.shared_down_scales.shape == (n_shared, 2, 2)
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    got = shared_experts(x.to(device), experts).cpu()
+    got = shared_experts(x.to(device), experts, num_sms=3).cpu()
+    assert got.dtype == (torch.bfloat16 if n_shared == 1 else torch.float32)
+    got = got.float()
     want = reference.shared_experts(x, weights)
-    assert got.shape == want.shape == (tokens, 256) and got.dtype == torch.float32
+    assert got.shape == want.shape == (tokens, 256)
     if tokens:
         close = torch.isclose(got, want, **TOL["chain"])
         assert close.float().mean() >= 0.98, f"{close.float().mean():.3f} of the elements within the chain tolerance"

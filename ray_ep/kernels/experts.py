@@ -49,6 +49,13 @@ class LocalExperts:
     def fp8(self) -> bool:
         return self.w_gate_up_LHF2.dtype == torch.float8_e4m3fn
 
+    @property
+    def shared_sum_dtype(self) -> torch.dtype:
+        """The dtype of :func:`shared_experts`' sum: one shared expert's bf16 output as it is
+        (the fp32 a combine adds it in holds it exactly, without an fp32 copy of [T, H]), fp32
+        over several."""
+        return torch.bfloat16 if self.shared_down_SFH.shape[0] == 1 else torch.float32
+
     @classmethod
     def build(cls, cfg: EPConfig, weights: ExpertWeights, device: torch.device | str) -> "LocalExperts":
         """This rank's slice ``weights`` (L routed experts) on ``device`` in ``cfg.expert_dtype``
@@ -192,10 +199,14 @@ def _run(gemm, act, handle: DispatchHandle, experts: LocalExperts, scratch: Expe
     return scratch.y_MH
 
 
-def shared_experts(x_TH: torch.Tensor, experts: LocalExperts, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Sum of the shared experts over this rank's own tokens, fp32 [T, H]; None when S = 0.
-    ``out``: an fp32 [T, H] tensor to write the sum into (e.g. one allocated on the stream that
-    reads it, while this runs on another); None: a new one.
+def shared_experts(x_TH: torch.Tensor, experts: LocalExperts, out: torch.Tensor | None = None,
+                   num_sms: int | None = None) -> torch.Tensor | None:
+    """Sum of the shared experts over this rank's own tokens [T, H] in
+    ``experts.shared_sum_dtype`` (one expert's bf16 output as it is, fp32 over several); None
+    when S = 0. ``out``: a tensor of that dtype and shape to write the sum into (e.g. one
+    allocated on the stream that reads it, while this runs on another); None: a new one.
+    ``num_sms``: the fp8 GEMMs' persistent programs (None: one per SM), e.g. the SMs a
+    dispatch beside them leaves.
 
     bf16 experts: dense bf16 GEMMs with fp32 accumulation (cuBLAS on GPUs), rounding like the
     reference; on GPUs the SwiGLU between them is :func:`ray_ep.kernels.activation.swiglu` (fp32,
@@ -207,11 +218,11 @@ def shared_experts(x_TH: torch.Tensor, experts: LocalExperts, out: torch.Tensor 
     Fi = experts.shared_down_SFH.shape[1]
     x = x_TH.to(torch.bfloat16)
     if out is None:
-        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        out = torch.empty(x.shape, dtype=experts.shared_sum_dtype, device=x.device)
     else:
-        check_tensor("out", out, shape=tuple(x.shape), dtypes=(torch.float32,), device=x.device)
+        check_tensor("out", out, shape=tuple(x.shape), dtypes=(experts.shared_sum_dtype,), device=x.device)
     if experts.shared_gate_up_scales is not None:
-        return _shared_experts_fp8(x, experts, out)
+        return _shared_experts_fp8(x, experts, out, num_sms)
     if x.device.type == "cuda":
         # every row real: the SwiGLU kernel in one pass, where torch's ops took six over [T, 2F]
         # (one H200, deepseek-v3's shared expert over 4096 tokens, with the first expert copied
@@ -221,23 +232,32 @@ def shared_experts(x_TH: torch.Tensor, experts: LocalExperts, out: torch.Tensor 
     for s in range(S):
         if x.device.type == "cuda":
             a = swiglu(h_M2F=x @ experts.shared_gate_up_SHF2[s], row_ids_M=rows, total_rows=total)
+            if S == 1:  # straight into the bf16 sum
+                torch.mm(a, experts.shared_down_SFH[s], out=out)
+                continue
             y = a @ experts.shared_down_SFH[s]
         else:  # CPU bf16 matmul is slow and rounds differently: upcast, as the reference does
             h = (x.float() @ experts.shared_gate_up_SHF2[s].float()).to(torch.bfloat16).float()
             a = (torch.nn.functional.silu(h[:, :Fi]) * h[:, Fi:]).to(torch.bfloat16)
             y = (a.float() @ experts.shared_down_SFH[s].float()).to(torch.bfloat16)
-        if s == 0:  # the first one as it is, not added to zeros (one pass over [T, H] fp32, not two)
-            out.copy_(y)
-        else:
-            out += y.float()
+        _accumulate(out, y, s)
     return out
 
 
-def _shared_experts_fp8(x: torch.Tensor, experts: LocalExperts, out: torch.Tensor) -> torch.Tensor:
+def _accumulate(out: torch.Tensor, y: torch.Tensor, s: int) -> None:
+    """Shared expert ``s``'s bf16 output ``y`` into the sum ``out``."""
+    if s == 0:  # the first one as it is, not added to zeros (one pass over [T, H], not two)
+        out.copy_(y)
+    else:
+        out += y.float()
+
+
+def _shared_experts_fp8(x: torch.Tensor, experts: LocalExperts, out: torch.Tensor,
+                        num_sms: int | None) -> torch.Tensor:
     """fp8 shared experts over bf16 rows ``x`` [T, H]: each is a grouped GEMM of one expert and
     T rows (the rows quantised per 128 channels inside it), the SwiGLU quantised to fp8 (in the
     gate_up GEMM's epilogue where :func:`fuses_swiglu` allows), then the down GEMM; sums into
-    ``out`` (fp32 [T, H])."""
+    ``out``."""
     T, dev = x.shape[0], x.device
     if T == 0:
         return out
@@ -246,10 +266,11 @@ def _shared_experts_fp8(x: torch.Tensor, experts: LocalExperts, out: torch.Tenso
     Fi, H = experts.shared_down_SFH.shape[1:]
     # every token a row of one group; built on the device (no host copy: CUDA graphs capture it)
     seg = dict(row_offsets_L1=torch.arange(2, dtype=torch.int32, device=dev) * T,
-               num_tokens_L=torch.full((1,), T, dtype=torch.int32, device=dev))
+               num_tokens_L=torch.full((1,), T, dtype=torch.int32, device=dev), num_sms=num_sms)
     a = torch.empty(T, Fi, dtype=torch.float8_e4m3fn, device=dev)
     a_scales = torch.empty(T, Fi // FP8_GROUP, dtype=torch.float32, device=dev)
-    y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    # one expert: its output is the sum (bf16), written in place
+    y = out if out.dtype == torch.bfloat16 else torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     for s in range(experts.shared_down_SFH.shape[0]):
         gate_up = dict(a=x, b_LDO=experts.shared_gate_up_SHF2[s:s + 1], b_scales=experts.shared_gate_up_scales[s:s + 1],
                        **seg)
@@ -260,8 +281,6 @@ def _shared_experts_fp8(x: torch.Tensor, experts: LocalExperts, out: torch.Tenso
             act(h_M2F=gemm(**gate_up), row_ids_M=rows, total_rows=seg["num_tokens_L"], out=a, out_scales=a_scales)
         gemm(a=a, a_scales=a_scales, b_LDO=experts.shared_down_SFH[s:s + 1],
              b_scales=experts.shared_down_scales[s:s + 1], out=y, **seg)
-        if s == 0:
-            out.copy_(y)
-        else:
-            out += y.float()
+        if y is not out:
+            _accumulate(out, y, s)
     return out
