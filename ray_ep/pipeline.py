@@ -87,10 +87,6 @@ def moe_layer(t: Transport, scratch: ExpertScratch, experts: LocalExperts, x_TH:
     # allocated on the stream that reads it after the join: no cross-stream lifetime to track
     add = (torch.empty(x_TH.shape, dtype=experts.shared_sum_dtype, device=x_TH.device)
            if experts.shared_down_SFH.shape[0] else None)
-    # a persistent GEMM beside a dispatch on an SM budget takes the SMs it leaves: programs
-    # placed on the dispatch's SMs would start only once it ends, and their tiles with them
-    budget, sms = t.cfg.num_sms, num_sms(x_TH.device)
-    beside = sms - budget if budget and budget < sms else None
     checking = t.check
     with _deferring([t]):
         h = t.dispatch(x_TH, topk_ids_TK, topk_weights_TK, fused=fused)
@@ -99,7 +95,7 @@ def moe_layer(t: Transport, scratch: ExpertScratch, experts: LocalExperts, x_TH:
             side = side_stream(x_TH.device)
             side.wait_event(inputs_ready)
             with torch.cuda.stream(side):
-                shared_experts(x_TH, experts, out=add, num_sms=beside)
+                shared_experts(x_TH, experts, out=add)
         y = run_experts(handle=h, experts=experts, scratch=scratch)
         if add is not None:
             main.wait_stream(side)
