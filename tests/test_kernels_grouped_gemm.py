@@ -394,14 +394,22 @@ def test_grouped_gemm_fp8_weights(a_kind, kmajor):
     torch.testing.assert_close(out[real].float().cpu(), want[real.cpu()].to(torch.bfloat16).float(), **TOL["bf16"])
 
 
-def skewed_fp8_case(D, O, gen):
+def skewed_fp8_case(D, O, gen, gather):
     """The Hopper kernel's test experts: skewed (an empty one, one row, several m tiles) in
-    segments padded to 128 rows, fp8 block-scaled weights. Returns (row_offsets_L1,
-    num_tokens_L, real, q, s)."""
+    segments padded to 128 rows, fp8 block-scaled weights, fp8 rows with their scales (1500
+    gathered ones, or one per expert-major row) and the row ids that read them (-1 for padding;
+    in place: the expert-major row itself). Returns (row_offsets_L1, num_tokens_L, real, q, s,
+    x, xs, ids), the rows and ids on the CPU."""
     counts = [300, 0, 1, 129, 77, 256]
     offsets, num_tokens, real = make_layout(counts, 128, 5)
     q, s, _ = fp8_weights(len(counts), D, O, gen)
-    return offsets, num_tokens, real, q, s
+    M = real.shape[0]
+    rows = 1500 if gather else M
+    x, xs = reference.quantize_fp8(torch.randn(rows, D, generator=gen).to(torch.bfloat16))
+    ids = torch.full((M,), -1, dtype=torch.int32)
+    ids[real.cpu()] = (torch.randperm(rows, generator=gen)[: int(real.sum())] if gather
+                       else torch.nonzero(real.cpu())[:, 0]).to(torch.int32)
+    return offsets, num_tokens, real, q, s, x, xs, ids
 
 
 @pytest.mark.gpu
@@ -418,22 +426,14 @@ def test_grouped_gemm_fp8_weights_hopper_kernel(gather, num_sms):
 
     gen = torch.Generator().manual_seed(23)
     D, O = 512, 512
-    offsets, num_tokens, real, q, s = skewed_fp8_case(D, O, gen)
+    offsets, num_tokens, real, q, s, x, xs, ids = skewed_fp8_case(D, O, gen, gather)
     M = real.shape[0]
-    rows = 1500 if gather else M
-    x, xs = reference.quantize_fp8(torch.randn(rows, D, generator=gen).to(torch.bfloat16))
-    wire = torch.zeros(rows, D + 64, dtype=torch.uint8, device=device)  # D fp8 bytes, then scales
+    wire = torch.zeros(x.shape[0], D + 64, dtype=torch.uint8, device=device)  # D fp8 bytes, then scales
     a = wire[:, :D].view(torch.float8_e4m3fn)
     a.copy_(x.to(device))
     a_s = wire[:, D:].view(torch.float32)[:, : D // 128]
     a_s.copy_(xs.to(device))
-    a_row_ids = None
-    if gather:
-        ids = torch.full((M,), -1, dtype=torch.int32)
-        ids[real.cpu()] = torch.randperm(rows, generator=gen)[: int(real.sum())].to(torch.int32)
-        a_row_ids = ids.to(device)
-    else:
-        a, a_s = a[:M], a_s[:M]
+    a_row_ids = ids.to(device) if gather else None
     assert grouped_gemm_sm90.usable(a=a, b_LDO=q, rows_per_expert=M // len(num_tokens))
     check("bf16", real, a=a, a_scales=a_s, b_LDO=q, b_scales=s, row_offsets_L1=offsets, num_tokens_L=num_tokens,
           a_row_ids=a_row_ids, num_sms=num_sms)
@@ -452,15 +452,9 @@ def test_grouped_gemm_swiglu_out_matches_gemm_then_swiglu(gather, num_sms):
 
     gen = torch.Generator().manual_seed(31)
     D, F = 512, 256
-    offsets, num_tokens, real, q, s = skewed_fp8_case(D, 2 * F, gen)
+    offsets, num_tokens, real, q, s, x, xs, ids = skewed_fp8_case(D, 2 * F, gen, gather)
     M = real.shape[0]
-    rows = 1500 if gather else M
-    x, xs = reference.quantize_fp8(torch.randn(rows, D, generator=gen).to(torch.bfloat16))
-    a, a_s = x.to(device), xs.to(device)
-    ids = torch.full((M,), -1, dtype=torch.int32)
-    ids[real.cpu()] = (torch.randperm(rows, generator=gen)[: int(real.sum())] if gather
-                       else torch.nonzero(real.cpu())[:, 0]).to(torch.int32)
-    ids = ids.to(device)
+    a, a_s, ids = x.to(device), xs.to(device), ids.to(device)
     kw = dict(a=a, a_scales=a_s, b_LDO=q, b_scales=s, row_offsets_L1=offsets, num_tokens_L=num_tokens,
               a_row_ids=ids if gather else None, num_sms=num_sms)
     assert fuses_swiglu(a=a, b_LDO=q, rows_per_expert=M // len(num_tokens))

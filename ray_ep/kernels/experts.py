@@ -187,16 +187,22 @@ def _run(gemm, act, handle: DispatchHandle, experts: LocalExperts, scratch: Expe
         regions = (r.recv_counts_R, scratch.region_rows)
     gate_up = dict(a=handle.x_rows, a_scales=handle.scales_rows, a_row_ids=row_ids, b_LDO=experts.w_gate_up_LHF2,
                    b_scales=experts.w_gate_up_scales, out=h, num_sms=num_sms, fp8_rows=x_fp8, a_regions=regions, **segs)
-    if fuse and fuses_swiglu(a=handle.x_rows, b_LDO=experts.w_gate_up_LHF2,
-                             rows_per_expert=row_ids.shape[0] // r.num_tokens_L.shape[0]):
-        # fp8 weights on Hopper: the SwiGLU in the GEMM's epilogue, h never written
-        gemm(**gate_up, swiglu_out=(a, a_scales))
-    else:
-        gemm(**gate_up)
-        act(h_M2F=h, row_ids_M=row_ids, total_rows=r.row_offsets_L1[-1:], out=a, out_scales=a_scales)
+    _gate_up_swiglu(gemm, act, gate_up, fuse, row_ids.shape[0] // r.num_tokens_L.shape[0], row_ids,
+                    r.row_offsets_L1[-1:], a, a_scales)
     gemm(a=a, a_scales=a_scales, b_LDO=experts.w_down_LFH, b_scales=experts.w_down_scales, out=y, num_sms=num_sms,
          **segs)
     return scratch.y_MH
+
+
+def _gate_up_swiglu(gemm, act, gate_up: dict, fuse: bool, rows_per_expert: int, row_ids_M: torch.Tensor,
+                    total_rows: torch.Tensor, a: torch.Tensor, a_scales: torch.Tensor | None) -> None:
+    """The gate_up GEMM (``gate_up``: its arguments) and the SwiGLU into ``a`` (``a_scales``):
+    with ``fuse``, where :func:`fuses_swiglu` allows (fp8 weights on Hopper), in the GEMM's
+    epilogue, its bf16 output never written; else through that output and ``act``."""
+    if fuse and fuses_swiglu(a=gate_up["a"], b_LDO=gate_up["b_LDO"], rows_per_expert=rows_per_expert):
+        gemm(**gate_up, swiglu_out=(a, a_scales))
+    else:
+        act(h_M2F=gemm(**gate_up), row_ids_M=row_ids_M, total_rows=total_rows, out=a, out_scales=a_scales)
 
 
 def shared_experts(x_TH: torch.Tensor, experts: LocalExperts, out: torch.Tensor | None = None,
@@ -267,6 +273,7 @@ def _shared_experts_fp8(x: torch.Tensor, experts: LocalExperts, out: torch.Tenso
     # every token a row of one group; built on the device (no host copy: CUDA graphs capture it)
     seg = dict(row_offsets_L1=torch.arange(2, dtype=torch.int32, device=dev) * T,
                num_tokens_L=torch.full((1,), T, dtype=torch.int32, device=dev), num_sms=num_sms)
+    rows = torch.arange(T, dtype=torch.int32, device=dev)
     a = torch.empty(T, Fi, dtype=torch.float8_e4m3fn, device=dev)
     a_scales = torch.empty(T, Fi // FP8_GROUP, dtype=torch.float32, device=dev)
     # one expert: its output is the sum (bf16), written in place
@@ -274,11 +281,7 @@ def _shared_experts_fp8(x: torch.Tensor, experts: LocalExperts, out: torch.Tenso
     for s in range(experts.shared_down_SFH.shape[0]):
         gate_up = dict(a=x, b_LDO=experts.shared_gate_up_SHF2[s:s + 1], b_scales=experts.shared_gate_up_scales[s:s + 1],
                        **seg)
-        if gpu and fuses_swiglu(a=x, b_LDO=gate_up["b_LDO"], rows_per_expert=T):
-            gemm(**gate_up, swiglu_out=(a, a_scales))
-        else:
-            rows = torch.arange(T, dtype=torch.int32, device=dev)
-            act(h_M2F=gemm(**gate_up), row_ids_M=rows, total_rows=seg["num_tokens_L"], out=a, out_scales=a_scales)
+        _gate_up_swiglu(gemm, act, gate_up, gpu, T, rows, seg["num_tokens_L"], a, a_scales)
         gemm(a=a, a_scales=a_scales, b_LDO=experts.shared_down_SFH[s:s + 1],
              b_scales=experts.shared_down_scales[s:s + 1], out=y, **seg)
         if y is not out:
