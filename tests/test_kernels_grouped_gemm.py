@@ -395,12 +395,13 @@ def test_grouped_gemm_fp8_weights(a_kind, kmajor):
 
 
 def skewed_fp8_case(D, O, gen, gather):
-    """The Hopper kernel's test experts: skewed (an empty one, one row, several m tiles) in
-    segments padded to 128 rows, fp8 block-scaled weights, fp8 rows with their scales (1500
-    gathered ones, or one per expert-major row) and the row ids that read them (-1 for padding;
-    in place: the expert-major row itself). Returns (row_offsets_L1, num_tokens_L, real, q, s,
-    x, xs, ids), the rows and ids on the CPU."""
-    counts = [300, 0, 1, 129, 77, 256]
+    """The Hopper kernel's test experts: skewed (an empty one, one row, several m tiles; last
+    tiles of 44, 1, 1 and 64 rows, which the kernel runs as half tiles, and of 77 and 65, which
+    it does not) in segments padded to 128 rows, fp8 block-scaled weights, fp8 rows with their
+    scales (1500 gathered ones, or one per expert-major row) and the row ids that read them (-1
+    for padding; in place: the expert-major row itself). Returns (row_offsets_L1, num_tokens_L,
+    real, q, s, x, xs, ids), the rows and ids on the CPU."""
+    counts = [300, 0, 1, 129, 77, 256, 192, 65]
     offsets, num_tokens, real = make_layout(counts, 128, 5)
     q, s, _ = fp8_weights(len(counts), D, O, gen)
     M = real.shape[0]
@@ -419,7 +420,8 @@ def test_grouped_gemm_fp8_weights_hopper_kernel(gather, num_sms):
     # prefill shapes on Hopper run the Gluon kernel (ray_ep.kernels.grouped_gemm_sm90): kernel
     # vs twin over skewed experts (an empty one, one row, several m tiles), padding untouched;
     # gathered rows are strided fp8 wire rows with their scales beside; 3 programs take many
-    # tiles each (the stage ring's phases carry across tiles)
+    # tiles each (the stage ring's, the tile hand-off's and the half tiles' phases carry across
+    # tiles)
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper (sm_90)")
     from ray_ep.kernels import grouped_gemm_sm90

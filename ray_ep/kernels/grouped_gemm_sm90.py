@@ -14,6 +14,13 @@ Why a kernel of its own: the Triton kernel multiplies a K block, waits for the t
 then scales the partial product into the accumulator, with all 8 warps in step (a barrier per K
 block), so the tensor cores idle during every scaling. Here (per persistent program, one per SM):
 
+- the tiles (expert-major; inside an expert m fastest, so the programs that share a weight slice
+  run side by side) are taken in order from a counter of the launch: a program's producer takes
+  its next tile by an atomic add and hands it to its consumers through shared memory. So the
+  tiles in flight stay a window of consecutive ones whatever each took, and the programs that
+  read a weight slice read it at about the same time, from L2. (A static round robin let
+  programs drift apart by what their tiles took: the same kernel's L2 hit rate ranged over
+  40-70% with the timing of its epilogues, ncu on one H200, and its time by up to 20%.);
 - one producer partition fills a ring of ``STAGES`` shared-memory stages: the weight tile by
   bulk copies (TMA), the 128 rows by TMA when they lie in place, or gathered through the row
   ids with per-thread async copies (4 warps: Hopper's TMA has no gather);
@@ -28,7 +35,14 @@ block), so the tensor cores idle during every scaling. Here (per persistent prog
   halves are then 128 gate columns and the same 128 up columns, and the warpgroup stores
   ``silu(gate) * up`` in fp8 with one scale per row and 128 channels, the bits of the bf16
   output followed by :func:`ray_ep.kernels.activation.swiglu` (one H200, gathered rows:
-  gate_up + SwiGLU 2291 -> 2284 us at 64 experts x 512 rows, 2774 -> 2620 at 128 x 256).
+  gate_up + SwiGLU 2291 -> 2284 us at 64 experts x 512 rows, 2774 -> 2620 at 128 x 256);
+- a tile with at most 64 real rows (an expert's last, for about half of the experts) is a half
+  tile: both warpgroups take its 64 rows, each with one of the two 128-column halves, so it
+  takes about half the time of a full tile whose other 64 rows are padding.
+
+With both (one H200, deepseek-v3's experts on 4 / 2 / 8 ranks, routed rows; docs/perf.md v32):
+gate_up + SwiGLU 2442 -> 2063 / 2494 -> 2343 / 1893 -> 1957 us, down 1072 -> 981 / 1323 -> 1114 /
+927 -> 906 us, the same bits.
 
 One H200, 64 experts x ~512 fp8 rows in place (deepseek-v3 on 4 ranks), against the Triton
 kernel in the same run: gate_up (D 7168, O 4096) 2389 -> 1946 us (775 -> 951 TFLOP/s), down
@@ -124,8 +138,31 @@ def _tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L):
 
 
 @gluon.jit
+def _publish_next_tile(counter_ptr, sched, sched_full, sched_empty, n):
+    """The producer's next tile, taken from the launch's counter (so the tiles in flight stay a
+    window of consecutive ones, whatever each took: see the module docstring), handed to both
+    consumers through ``sched`` slot n % 2. Returns it."""
+    nxt = gl.atomic_add(counter_ptr, 1) + gl.num_programs(0)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    mbarrier.wait(sched_empty.index(n % 2), ((n // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
+    sched.index(n % 2).store(gl.zeros([1], gl.int32, one) + nxt)
+    mbarrier.arrive(sched_full.index(n % 2), count=1)
+    return nxt
+
+
+@gluon.jit
+def _next_tile(sched, sched_full, sched_empty, n):
+    """A consumer's next tile, as the producer published it in slot n % 2."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    mbarrier.wait(sched_full.index(n % 2), (n // 2) & 1)
+    nxt = gl.max(sched.index(n % 2).load(one), axis=0)
+    mbarrier.arrive(sched_empty.index(n % 2), count=1)
+    return nxt
+
+
+@gluon.jit
 def _producer(a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, num_tokens_ptr, L, O, full, empty,
-              a0_bufs, a1_bufs, b0_bufs, b1_bufs, meta: gl.constexpr):
+              counter_ptr, sched, sched_full, sched_empty, a0_bufs, a1_bufs, b0_bufs, b1_bufs, meta: gl.constexpr):
     """Fills the stages tile after tile, K block after K block (the consumers' order)."""
     D: gl.constexpr = meta[0]
     BLOCK_L: gl.constexpr = meta[1]
@@ -144,6 +181,7 @@ def _producer(a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, nu
     else:
         nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
     i = 0
+    n = 0  # tiles so far
     tile = gl.program_id(0)
     while tile < total:
         e, m_tile, o_tile, tokens = _tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L)
@@ -177,7 +215,8 @@ def _producer(a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, nu
             tma.async_copy_global_to_shared(b_desc, [brow0, k * BLOCK_K], bar, b0_bufs.index(s))
             tma.async_copy_global_to_shared(b_desc, [brow1, k * BLOCK_K], bar, b1_bufs.index(s))
             i += 1
-        tile += gl.num_programs(0)
+        tile = _publish_next_tile(counter_ptr, sched, sched_full, sched_empty, n)
+        n += 1
 
 
 @gluon.jit
@@ -211,13 +250,95 @@ def _swiglu_epilogue(acc0, acc1, e, o_tile, tokens, first_row, m_mask, rows, c_p
 
 
 @gluon.jit
+def _scaled_k_loop(i, a_bufs, b0_bufs, b1_bufs, full, empty, sa_ptrs, sa_mask, stride_sd, sb_ptr, sb_up,
+                   stride_bsd, acc0, acc1, mma: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   GATHER: gl.constexpr, TWO: gl.constexpr):
+    """A tile's K loop for one warpgroup: per K block the wgmma of its 64 rows (``a_bufs``) with
+    the first 128 columns (``b0_bufs``), waited for and scaled into ``acc0``, then (``TWO``) the
+    same with ``b1_bufs`` into ``acc1``; the stage freed after the last. Returns (i, acc0, acc1)."""
+    # each wgmma overwrites the registers of the partial product scaled just before (use_acc
+    # False): no zero tile per K block; set up per tile, so it is dead in the epilogue
+    part = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
+    # the scales arrive a K block ahead: loaded just before their use, the multiply that
+    # joins them waited on the load, and the wgmma after it (ncu, one H200: ~15% of the
+    # consumers' stall samples)
+    sa_next = gl.load(sa_ptrs, mask=sa_mask, other=0.0)
+    sb0_next = gl.load(sb_ptr)
+    if TWO:
+        sb1_next = gl.load(sb_ptr + sb_up)
+    else:
+        sb1_next = sb0_next  # unused
+    for k in range(D // BLOCK_K):
+        s = i % NUM_STAGES
+        sa = sa_next
+        sb0 = sb0_next
+        sb1 = sb1_next
+        k_next = gl.minimum(k + 1, D // BLOCK_K - 1)  # the last block loads its own again
+        sa_next = gl.load(sa_ptrs + k_next * stride_sd, mask=sa_mask, other=0.0)
+        sb0_next = gl.load(sb_ptr + k_next * stride_bsd)
+        if TWO:
+            sb1_next = gl.load(sb_ptr + k_next * stride_bsd + sb_up)
+        mbarrier.wait(full.index(s), (i // NUM_STAGES) & 1)
+        if GATHER:
+            fence_async_shared()  # rows written by cp.async (generic proxy), read by the wgmma
+        tok = warpgroup_mma(a_bufs.index(s), b0_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(0, deps=(tok, ))
+        if TWO:
+            acc0 += part * (sa * sb0)[:, None]
+            tok = warpgroup_mma(a_bufs.index(s), b1_bufs.index(s).permute((1, 0)), part, use_acc=False,
+                                is_async=True)
+            part = warpgroup_mma_wait(0, deps=(tok, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc1 += part * (sa * sb1)[:, None]
+        else:
+            mbarrier.arrive(empty.index(s), count=1)
+            acc0 += part * (sa * sb0)[:, None]
+        i += 1
+    return i, acc0, acc1
+
+
+@gluon.jit
+def _store_bf16(acc0, acc1, rows, m_mask, first_row, tokens, e, col, c_ptr, stride_cm, stride_co, c_desc,
+                row_offsets_ptr, c_bufs, TMA_STORE: gl.constexpr, TWO: gl.constexpr, cols_l: gl.constexpr):
+    """A warpgroup's 64 output rows in bf16: 128 columns from ``col`` (``acc0``) and, with
+    ``TWO``, the next 128 (``acc1``). All 64 rows real: through shared memory by bulk copies
+    it does not wait for (only before it reuses ``c_bufs``, a tile later), so its next tile's
+    K loop runs while they write; else masked stores (the other rows of a partial block belong
+    to padding or to the next expert)."""
+    if TMA_STORE and first_row + HALF_M <= tokens:
+        tma.store_wait(0)  # the previous tile's copies have read the buffers
+        c_bufs.index(0).store(acc0.to(gl.bfloat16))
+        if TWO:
+            c_bufs.index(1).store(acc1.to(gl.bfloat16))
+        fence_async_shared()
+        row_c = gl.load(row_offsets_ptr + e) + first_row
+        tma.async_copy_shared_to_global(c_desc, [row_c, col], c_bufs.index(0))
+        if TWO:
+            tma.async_copy_shared_to_global(c_desc, [row_c, col + HALF_O], c_bufs.index(1))
+    else:
+        offs_o = col + gl.arange(0, HALF_O, layout=cols_l)
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_o[None, :] * stride_co
+        gl.store(c_ptrs, acc0.to(gl.bfloat16), mask=m_mask[:, None])
+        if TWO:
+            gl.store(c_ptrs + HALF_O * stride_co, acc1.to(gl.bfloat16), mask=m_mask[:, None])
+
+
+@gluon.jit
 def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, stride_bsl, stride_bsd, stride_bso,
               c_ptr, stride_cm, stride_co, c_desc, cs_ptr, stride_csm, stride_csg, row_offsets_ptr, num_tokens_ptr,
-              L, O, full, empty, a_bufs, b0_bufs, b1_bufs, c_bufs, meta: gl.constexpr):
+              L, O, full, empty, sched, sched_full, sched_empty, x_buf, x_full, x_empty, a0_bufs, a_bufs, b0_bufs,
+              b1_bufs, c_bufs, meta: gl.constexpr):
     """Rows [64 PART, 64 PART + 64) of every tile: a K block's two wgmma halves, each waited for
     and scaled into its accumulator; the stage freed after the second. SWIGLU: the halves are
     128 gate and the same 128 up columns, stored as silu(gate) * up in fp8 with a scale per row
-    (``c_ptr`` / ``cs_ptr``)."""
+    (``c_ptr`` / ``cs_ptr``).
+
+    A tile with at most 64 real rows (an expert's last, about half of them at ~512 rows per
+    expert) is a half tile: both warpgroups take its rows 0-63 (``a0_bufs``), PART 0 the first
+    128 columns and PART 1 the second, one wgmma each per K block, so the tile takes about half
+    the time of a full one whose rows 64-127 are padding. The products are the same wgmmas on
+    the same operands (the same bits). SWIGLU: PART 1 hands its up columns, rounded to bf16 as
+    the epilogue rounds them, to PART 0 through ``x_buf`` (``x_full`` / ``x_empty``)."""
     D: gl.constexpr = meta[0]
     BLOCK_L: gl.constexpr = meta[1]
     NUM_STAGES: gl.constexpr = meta[2]
@@ -231,10 +352,15 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
     experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L, total = _tiles(num_tokens_ptr, L, O, BLOCK_L, BLOCK_M,
                                                                       BLOCK_O, 4)
     i = 0
+    n = 0  # tiles so far
+    halves = 0  # half tiles so far: the SwiGLU hand-off's phase
     tile = gl.program_id(0)
     while tile < total:
         e, m_tile, o_tile, tokens = _tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L)
-        offs_m = m_tile * BLOCK_M + PART * HALF_M + gl.arange(0, HALF_M, layout=rows_l)
+        half = tokens - m_tile * BLOCK_M <= HALF_M
+        part_rows = gl.where(half, 0, PART * HALF_M)  # a half tile: rows 0-63 in both warpgroups
+        first_row = m_tile * BLOCK_M + part_rows
+        offs_m = first_row + gl.arange(0, HALF_M, layout=rows_l)
         m_mask = offs_m < tokens
         rows = (gl.load(row_offsets_ptr + e) + offs_m).to(gl.int64)
         if GATHER:
@@ -251,57 +377,44 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
             sb_up = stride_bso
         acc0 = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
         acc1 = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
-        # each wgmma overwrites the registers of the partial product scaled just before (use_acc
-        # False): no zero tile per K block; set up per tile, so it is dead in the epilogue
-        part = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
-        # the scales arrive a K block ahead: loaded just before their use, the multiply that
-        # joins them waited on the load, and the wgmma after it (ncu, one H200: ~15% of the
-        # consumers' stall samples)
-        sa_next = gl.load(sa_ptrs, mask=sa_mask, other=0.0)
-        sb0_next = gl.load(sb_ptr)
-        sb1_next = gl.load(sb_ptr + sb_up)
-        for k in range(D // BLOCK_K):
-            s = i % NUM_STAGES
-            sa = sa_next
-            sb0 = sb0_next
-            sb1 = sb1_next
-            k_next = gl.minimum(k + 1, D // BLOCK_K - 1)  # the last block loads its own again
-            sa_next = gl.load(sa_ptrs + k_next * stride_sd, mask=sa_mask, other=0.0)
-            sb0_next = gl.load(sb_ptr + k_next * stride_bsd)
-            sb1_next = gl.load(sb_ptr + k_next * stride_bsd + sb_up)
-            mbarrier.wait(full.index(s), (i // NUM_STAGES) & 1)
-            if GATHER:
-                fence_async_shared()  # rows written by cp.async (generic proxy), read by the wgmma
-            tok = warpgroup_mma(a_bufs.index(s), b0_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
-            part = warpgroup_mma_wait(0, deps=(tok, ))
-            acc0 += part * (sa * sb0)[:, None]
-            tok = warpgroup_mma(a_bufs.index(s), b1_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
-            part = warpgroup_mma_wait(0, deps=(tok, ))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc1 += part * (sa * sb1)[:, None]
-            i += 1
-        first_row = m_tile * BLOCK_M + PART * HALF_M
-        if SWIGLU:
-            _swiglu_epilogue(acc0, acc1, e, o_tile, tokens, first_row, m_mask, rows, c_ptr, stride_cm,
-                             stride_co, c_desc, cs_ptr, stride_csm, stride_csg, row_offsets_ptr, c_bufs, TMA_STORE,
-                             rows_l, cols_l)
-        elif TMA_STORE and first_row + HALF_M <= tokens:
-            # all 64 rows real: through shared memory by bulk copies this warpgroup does not wait
-            # for, so its next tile's K loop runs while they write (the other rows of a partial
-            # half belong to padding or to the next expert: stored below, masked)
-            tma.store_wait(0)  # the previous tile's copies have read the buffers
-            c_bufs.index(0).store(acc0.to(gl.bfloat16))
-            c_bufs.index(1).store(acc1.to(gl.bfloat16))
-            fence_async_shared()
-            row_c = gl.load(row_offsets_ptr + e) + first_row
-            tma.async_copy_shared_to_global(c_desc, [row_c, o_tile * BLOCK_O], c_bufs.index(0))
-            tma.async_copy_shared_to_global(c_desc, [row_c, o_tile * BLOCK_O + HALF_O], c_bufs.index(1))
+        if half:
+            # this warpgroup's 128 columns: PART 0 the first (gate), PART 1 the second (up)
+            if PART == 0:
+                i, acc0, acc1 = _scaled_k_loop(i, a0_bufs, b0_bufs, b1_bufs, full, empty, sa_ptrs, sa_mask,
+                                               stride_sd, sb_ptr, sb_up, stride_bsd, acc0, acc1, mma, D,
+                                               NUM_STAGES, GATHER, False)
+            else:
+                i, acc0, acc1 = _scaled_k_loop(i, a0_bufs, b1_bufs, b0_bufs, full, empty, sa_ptrs, sa_mask,
+                                               stride_sd, sb_ptr + sb_up, sb_up, stride_bsd, acc0, acc1, mma,
+                                               D, NUM_STAGES, GATHER, False)
+            if SWIGLU:
+                if PART == 1:
+                    mbarrier.wait(x_empty, (halves & 1) ^ 1)  # a fresh barrier passes parity 1
+                    x_buf.store(acc0.to(gl.bfloat16))
+                    mbarrier.arrive(x_full, count=1)
+                else:
+                    mbarrier.wait(x_full, halves & 1)
+                    up = x_buf.load(mma)
+                    mbarrier.arrive(x_empty, count=1)
+                    _swiglu_epilogue(acc0, up, e, o_tile, tokens, first_row, m_mask, rows, c_ptr, stride_cm,
+                                     stride_co, c_desc, cs_ptr, stride_csm, stride_csg, row_offsets_ptr, c_bufs,
+                                     TMA_STORE, rows_l, cols_l)
+            else:
+                _store_bf16(acc0, acc1, rows, m_mask, first_row, tokens, e, o_tile * BLOCK_O + PART * HALF_O,
+                            c_ptr, stride_cm, stride_co, c_desc, row_offsets_ptr, c_bufs, TMA_STORE, False, cols_l)
+            halves += 1
         else:
-            offs_o = o_tile * BLOCK_O + gl.arange(0, HALF_O, layout=cols_l)
-            c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_o[None, :] * stride_co
-            gl.store(c_ptrs, acc0.to(gl.bfloat16), mask=m_mask[:, None])
-            gl.store(c_ptrs + HALF_O * stride_co, acc1.to(gl.bfloat16), mask=m_mask[:, None])
-        tile += gl.num_programs(0)
+            i, acc0, acc1 = _scaled_k_loop(i, a_bufs, b0_bufs, b1_bufs, full, empty, sa_ptrs, sa_mask, stride_sd,
+                                           sb_ptr, sb_up, stride_bsd, acc0, acc1, mma, D, NUM_STAGES, GATHER, True)
+            if SWIGLU:
+                _swiglu_epilogue(acc0, acc1, e, o_tile, tokens, first_row, m_mask, rows, c_ptr, stride_cm,
+                                 stride_co, c_desc, cs_ptr, stride_csm, stride_csg, row_offsets_ptr, c_bufs,
+                                 TMA_STORE, rows_l, cols_l)
+            else:
+                _store_bf16(acc0, acc1, rows, m_mask, first_row, tokens, e, o_tile * BLOCK_O, c_ptr, stride_cm,
+                            stride_co, c_desc, row_offsets_ptr, c_bufs, TMA_STORE, True, cols_l)
+        tile = _next_tile(sched, sched_full, sched_empty, n)
+        n += 1
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -309,7 +422,7 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
 @gluon.jit
 def _grouped_gemm_fp8_kernel(a_desc, a_ptr, stride_am, a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_desc,
                              b_scales_ptr, stride_bsl, stride_bsd, stride_bso, c_ptr, stride_cm, stride_co, c_desc,
-                             cs_ptr, stride_csm, stride_csg, row_offsets_ptr, num_tokens_ptr, L, O,
+                             cs_ptr, stride_csm, stride_csg, row_offsets_ptr, num_tokens_ptr, counter_ptr, L, O,
                              D: gl.constexpr, BLOCK_L: gl.constexpr, NUM_STAGES: gl.constexpr,
                              GATHER: gl.constexpr, PRODUCER_WARPS: gl.constexpr, TMA_STORE: gl.constexpr,
                              SWIGLU: gl.constexpr):
@@ -335,16 +448,32 @@ def _grouped_gemm_fp8_kernel(a_desc, a_ptr, stride_am, a_scales_ptr, stride_sm, 
         # full: the producer's expect (plus, gathering, one cp.async arrive per producer thread)
         mbarrier.init(full.index(s), count=1 + (32 * PRODUCER_WARPS if GATHER else 0))
         mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
+    # the next tile, from the producer to the consumers (two slots: it runs up to a tile ahead)
+    sched = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    sched_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    sched_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
+        mbarrier.init(sched_full.index(s), count=1)  # the producer's arrive
+        mbarrier.init(sched_empty.index(s), count=2)  # one arrive per consumer
+    if SWIGLU:  # a half tile's up columns, from the second warpgroup to the first
+        x_buf = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, HALF_O],
+                                          gl.NVMMASharedLayout.get_default_for([HALF_M, HALF_O], gl.bfloat16))
+        x_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(x_bars.index(0), count=1)
+        mbarrier.init(x_bars.index(1), count=1)
+    else:  # unused
+        x_buf = a0_bufs.index(0)
+        x_bars = full
     consumer = (a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, stride_bsl, stride_bsd, stride_bso,
                 c_ptr, stride_cm, stride_co, c_desc, cs_ptr, stride_csm, stride_csg, row_offsets_ptr, num_tokens_ptr,
-                L, O, full, empty)
+                L, O, full, empty, sched, sched_full, sched_empty, x_buf, x_bars.index(0), x_bars.index(1), a0_bufs)
     meta0: gl.constexpr = (D, BLOCK_L, NUM_STAGES, GATHER, PRODUCER_WARPS, 0, TMA_STORE, SWIGLU)
     meta1: gl.constexpr = (D, BLOCK_L, NUM_STAGES, GATHER, PRODUCER_WARPS, 1, TMA_STORE, SWIGLU)
     gl.warp_specialize([
         (_consumer, consumer + (a0_bufs, b0_bufs, b1_bufs, c0_bufs, meta0)),
         (_consumer, consumer + (a1_bufs, b0_bufs, b1_bufs, c1_bufs, meta1)),
         (_producer, (a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, num_tokens_ptr, L, O, full,
-                     empty, a0_bufs, a1_bufs, b0_bufs, b1_bufs, meta0)),
+                     empty, counter_ptr, sched, sched_full, sched_empty, a0_bufs, a1_bufs, b0_bufs, b1_bufs, meta0)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -377,7 +506,8 @@ def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids:
     _grouped_gemm_fp8_kernel[grid](
         a_desc, a, a.stride(0), a_scales, a_scales.stride(0), a_scales.stride(1), row_ids, b_desc,
         b_scales, b_scales.stride(0), b_scales.stride(1), b_scales.stride(2), out, out.stride(0), out.stride(1),
-        c_desc, cs, cs.stride(0), cs.stride(1), row_offsets_L1.contiguous(), num_tokens_L.contiguous(), L, O,
+        c_desc, cs, cs.stride(0), cs.stride(1), row_offsets_L1.contiguous(), num_tokens_L.contiguous(),
+        torch.zeros(1, dtype=torch.int32, device=a.device), L, O,
         D=D, BLOCK_L=max(2, triton.next_power_of_2(L)), NUM_STAGES=stages, GATHER=gather,
         PRODUCER_WARPS=GATHER_WARPS if gather else 1, TMA_STORE=tma_store, SWIGLU=swiglu, num_warps=4)
     return out
