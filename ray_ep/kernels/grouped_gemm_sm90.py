@@ -163,7 +163,8 @@ def _next_tile(sched, sched_full, sched_empty, n):
 @gluon.jit
 def _producer(a_desc, a_ptr, stride_am, row_ids_ptr, b_desc, row_offsets_ptr, num_tokens_ptr, L, O, full, empty,
               counter_ptr, sched, sched_full, sched_empty, a0_bufs, a1_bufs, b0_bufs, b1_bufs, meta: gl.constexpr):
-    """Fills the stages tile after tile, K block after K block (the consumers' order)."""
+    """Fills the stages tile after tile, K block after K block (the consumers' order). A half
+    tile's rows 64-127 load too (as zeros when gathered): the consumers leave them."""
     D: gl.constexpr = meta[0]
     BLOCK_L: gl.constexpr = meta[1]
     NUM_STAGES: gl.constexpr = meta[2]
@@ -482,7 +483,9 @@ def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids:
                           num_tokens_L: torch.Tensor, out: torch.Tensor, num_sms: int | None,
                           swiglu_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernel (arguments checked by the caller, :func:`usable` true): a persistent
-    program per SM (or ``num_sms`` of them) over the tiles, found on the device. With
+    program per SM (or ``num_sms`` of them) over the tiles, found on the device and taken in
+    order from a zeroed counter allocated on the current stream (so launches on two streams,
+    e.g. the shared and the routed experts, never share one). With
     ``swiglu_scales`` [M, O / 256] fp32, ``out`` is float8_e4m3fn [M, O / 2] and receives the
     SwiGLU of the product (its O columns [gate | up]) quantised per 128 channels."""
     L, D, O = b_LDO.shape
@@ -507,7 +510,7 @@ def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids:
         a_desc, a, a.stride(0), a_scales, a_scales.stride(0), a_scales.stride(1), row_ids, b_desc,
         b_scales, b_scales.stride(0), b_scales.stride(1), b_scales.stride(2), out, out.stride(0), out.stride(1),
         c_desc, cs, cs.stride(0), cs.stride(1), row_offsets_L1.contiguous(), num_tokens_L.contiguous(),
-        torch.zeros(1, dtype=torch.int32, device=a.device), L, O,
+        torch.zeros(1, dtype=torch.int32, device=a.device), L, O,  # the tile counter
         D=D, BLOCK_L=max(2, triton.next_power_of_2(L)), NUM_STAGES=stages, GATHER=gather,
         PRODUCER_WARPS=GATHER_WARPS if gather else 1, TMA_STORE=tma_store, SWIGLU=swiglu, num_warps=4)
     return out
