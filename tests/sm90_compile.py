@@ -202,7 +202,7 @@ def compile_fp8_gemm_sm90(gather: bool, swiglu: bool = False):
                 c_ptr=c, stride_cm=c.shape[1], stride_co=1, row_offsets_ptr=i32,
                 c_desc=TensorDescriptor.from_tensor(c, cb, gl.NVMMASharedLayout.get_default_for(
                     cb, gl.float8e4nv if swiglu else gl.bfloat16)),
-                cs_ptr=cs, stride_csm=cs.shape[1], stride_csg=1, num_tokens_ptr=i32, L=5, O=O)
+                cs_ptr=cs, stride_csm=cs.shape[1], stride_csg=1, num_tokens_ptr=i32, counter_ptr=i32, L=5, O=O)
     meta = dict(D=D, BLOCK_L=64, NUM_STAGES=sm90.STAGES if swiglu else sm90.TMA_STORE_STAGES, GATHER=gather,
                 PRODUCER_WARPS=sm90.GATHER_WARPS if gather else 1, TMA_STORE=True, SWIGLU=swiglu)
     return compile_sm90(sm90._grouped_gemm_fp8_kernel, args, meta, None, {"num_warps": 4}, specialize=True)

@@ -95,11 +95,14 @@ def test_fp8_expert_kernels_compile_to_fp8_tensor_cores():
     out = _compile("--fp8-experts")
     lines = [line for line in out.splitlines() if line.startswith("OK") and "(gluon)" not in line]
     gemms = [line for line in lines if "_grouped_gemm_kernel" in line]
-    # bf16 and nvfp4 rows per expert row; bf16 rows per receive region
+    # bf16 and nvfp4 rows per expert row; bf16 rows per receive region (some in two sizes of
+    # step: a launch over few rows takes fewer rows per step, so that it has more programs)
     quantise = [line for line in lines if "_convert_rows_kernel" in line]
+    swiglu = [line for line in lines if "_swiglu_kernel" in line]
     # the GEMM's decode and prefill tiles, and the decode tile reading rows through row ids
     # (every variant reads fp8 rows: others are quantised first)
-    assert len(lines) == 8 and len(gemms) == 3 and len(quantise) == 3, out
+    assert len(gemms) == 3 and len(swiglu) == 2 and len(quantise) >= 3, out
+    assert len(lines) == len(gemms) + len(swiglu) + len(quantise), out
     assert all("wgmma=e4m3" in line for line in gemms), out
     assert all("tma=True" in line for line in gemms), out  # weight tiles arrive by bulk copies
     # pipelined: at least 3 stages of the 128 x 128 fp8 B tile (16 KB) in shared memory (plus
@@ -115,5 +118,6 @@ def test_fp8_expert_kernels_compile_to_fp8_tensor_cores():
     gathered = [line for line in gluon if "gather=True" in line]
     assert len(gathered) == 2 and all(int(line.split("cp_async16=")[1].split(",")[0]) >= 8 for line in gathered), out
     assert all(int(line.rsplit("shared=", 1)[1]) >= 3 * 48 * 1024 + 64 * 1024 for line in gluon), out
-    # at most a few words of spills (0 bytes in place, 20 gathering, at the time of writing)
+    # at most a few words of spills (v32: 0 bytes in place, 32 gathering, 44 gathering with the
+    # SwiGLU; outside the K loops)
     assert all(int(line.split("spill_bytes=")[1].split(",")[0]) <= 64 for line in gluon), out
