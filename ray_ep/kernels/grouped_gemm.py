@@ -300,11 +300,9 @@ def _check_regions(a_regions, rows: int, device: torch.device) -> None:
                            f"in the {rows} rows of a (n a non-negative int)")
 
 
-def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, a_regions, q, qs,
-                  block_r: int | None = None) -> None:
+def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, a_regions, q, qs) -> None:
     """Launch :func:`_convert_rows_kernel`: into fp8 rows ``q`` and scales ``qs``, or into bf16
-    rows ``q`` when ``qs`` is None; over the expert-major rows, or the receive regions.
-    ``block_r``: rows per program step (None: see below)."""
+    rows ``q`` when ``qs`` is None; over the expert-major rows, or the receive regions."""
     nvfp4 = a.dtype == torch.uint8
     rows = a.shape[0]
     if a_regions is not None:
@@ -317,14 +315,13 @@ def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, a_region
     if M == 0 or rows == 0:
         return
     sms = sm_count(a.device)
-    if block_r is None:
-        # a program walks its rows' 128-channel groups one after another (load, amax, store), so
-        # what hides the loads' latency is programs in flight: at least 4 per SM where the rows
-        # allow (one H200, a shared expert's 4096 x 7168 bf16 rows: 1024 steps of 4 rows, 65.0 ->
-        # 52.5 us against 128 of 32; a receive of 4 x 4096 rows: steps of 16, 111.3 -> 103.9 us)
-        block_r = 32
-        while block_r > 4 and triton.cdiv(M, block_r) < 4 * sms:
-            block_r //= 2
+    # a program walks its rows' 128-channel groups one after another (load, amax, store), so
+    # what hides the loads' latency is programs in flight: at least 4 per SM where the rows
+    # allow (one H200, a shared expert's 4096 x 7168 bf16 rows: 1024 steps of 4 rows, 65.0 ->
+    # 52.5 us against 128 of 32; a receive of 4 x 4096 rows: steps of 16, 111.3 -> 103.9 us)
+    block_r = 32
+    while block_r > 4 and triton.cdiv(M, block_r) < 4 * sms:
+        block_r //= 2
     tiles = triton.cdiv(M, block_r)
     grid = (max(1, min(tiles, 8 * sms)),)
     scales = a_scales.view(torch.uint8) if nvfp4 else a_scales if a_scales is not None else a  # a: a dummy pointer
