@@ -255,8 +255,9 @@ def _scaled_k_loop(i, a_bufs, b0_bufs, b1_bufs, full, empty, sa_ptrs, sa_mask, s
                    stride_bsd, acc0, acc1, mma: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
                    GATHER: gl.constexpr, TWO: gl.constexpr):
     """A tile's K loop for one warpgroup: per K block the wgmma of its 64 rows (``a_bufs``) with
-    the first 128 columns (``b0_bufs``), waited for and scaled into ``acc0``, then (``TWO``) the
-    same with ``b1_bufs`` into ``acc1``; the stage freed after the last. Returns (i, acc0, acc1)."""
+    128 columns (``b0_bufs``), waited for and scaled into ``acc0``, then (``TWO``) the same with
+    ``b1_bufs`` into ``acc1`` (unread without ``TWO``); the stage freed after the last. Returns
+    (i, acc0, acc1)."""
     # each wgmma overwrites the registers of the partial product scaled just before (use_acc
     # False): no zero tile per K block; set up per tile, so it is dead in the epilogue
     part = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
@@ -381,13 +382,13 @@ def _consumer(a_scales_ptr, stride_sm, stride_sd, row_ids_ptr, b_scales_ptr, str
         if half:
             # this warpgroup's 128 columns: PART 0 the first (gate), PART 1 the second (up)
             if PART == 0:
-                i, acc0, acc1 = _scaled_k_loop(i, a0_bufs, b0_bufs, b1_bufs, full, empty, sa_ptrs, sa_mask,
-                                               stride_sd, sb_ptr, sb_up, stride_bsd, acc0, acc1, mma, D,
-                                               NUM_STAGES, GATHER, False)
+                b_half = b0_bufs
+                sb_half = sb_ptr
             else:
-                i, acc0, acc1 = _scaled_k_loop(i, a0_bufs, b1_bufs, b0_bufs, full, empty, sa_ptrs, sa_mask,
-                                               stride_sd, sb_ptr + sb_up, sb_up, stride_bsd, acc0, acc1, mma,
-                                               D, NUM_STAGES, GATHER, False)
+                b_half = b1_bufs
+                sb_half = sb_ptr + sb_up
+            i, acc0, acc1 = _scaled_k_loop(i, a0_bufs, b_half, b_half, full, empty, sa_ptrs, sa_mask, stride_sd,
+                                           sb_half, sb_up, stride_bsd, acc0, acc1, mma, D, NUM_STAGES, GATHER, False)
             if SWIGLU:
                 if PART == 1:
                     mbarrier.wait(x_empty, (halves & 1) ^ 1)  # a fresh barrier passes parity 1
