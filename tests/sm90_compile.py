@@ -208,23 +208,54 @@ def compile_fp8_gemm_sm90(gather: bool, swiglu: bool = False):
     return compile_sm90(sm90._grouped_gemm_fp8_kernel, args, meta, None, {"num_warps": 4}, specialize=True)
 
 
-def _spill_bytes(ptx: str) -> int:
-    """Bytes the register allocator spills (ptxas -v on the kernel's PTX, sm_90a): the Gluon
-    GEMM's consumers run at the edge of their registers, and spills there cost more than the
-    kernel gains (an epilogue that spilled 1156 bytes ran 2.3-2.8x slower, docs/perf.md v29)."""
+def _ptxas(ptx: str) -> tuple[int, str]:
+    """(bytes the register allocator spills, the SASS) of ``ptx`` assembled for sm_90a by the
+    ptxas that ships with Triton (disassembled by its cuobjdump). The Gluon GEMM's consumers
+    run at the edge of their registers, and spills there cost more than the kernel gains (an
+    epilogue that spilled 1156 bytes ran 2.3-2.8x slower, docs/perf.md v29)."""
     import re
     import subprocess
     import tempfile
 
     from triton.backends.nvidia.compiler import get_ptxas
 
+    ptxas = get_ptxas(90).path
     with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
+        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
-    return int(re.search(r"(\d+) bytes spill stores", out).group(1))
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", cubin], capture_output=True, text=True,
+                             check=True).stderr
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"(\d+) bytes spill stores", out).group(1)), sass
+
+
+def _early_load_uses(sass: str) -> int:
+    """In each K loop of ``sass`` (a loop whose body has a wgmma, QGMMA in SASS): the global
+    loads whose value an instruction reads before the loop's first wgmma. The fp8 GEMM loads
+    each K block's scales a block ahead; a use that early (ptxas moved a loaded scale into the
+    register of the one before it right after the load, docs/perf.md v33) makes every K
+    block's wgmma wait for an L2 round trip."""
+    import re
+
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    early = 0
+    for i, (a, text) in enumerate(ins):
+        m = re.search(r"\bBRA 0x([0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
+            continue
+        body = [t for _, t in ins[at[int(m.group(1), 16)]:i + 1]]
+        first = next((k for k, t in enumerate(body) if "QGMMA" in t), None)
+        if first is None or len(body) > 400:  # not an inner K loop
+            continue
+        for k, t in enumerate(body[:first]):
+            load = re.match(r"(?:@!?U?P\w+\s+)?LDG\.\S*\s+(R\d+),", t)
+            if load and any(re.search(rf"\b{load.group(1)}\b", u.split(",", 1)[1] if "," in u else "")
+                            for u in body[k + 1:first]):
+                early += 1
+    return early
 
 
 def _wgmma(ptx: str) -> str:
@@ -408,10 +439,12 @@ def main() -> int:
             try:
                 ck = compile_fp8_gemm_sm90(gather, swiglu)
                 ptx = ck.asm["ptx"]
+                spills, sass = _ptxas(ptx)
                 print(f"OK   {what}, wgmma={_wgmma(ptx)}, "
                       f"tma={'cp.async.bulk.tensor' in ptx}, "
                       f"cp_async16={len(re.findall(r'cp[.]async[.]cg[.]shared[.]global [[][^]]*[]], [[][^]]*[]], 0x10', ptx))}, "
-                      f"warp_specialized={'setmaxnreg' in ptx}, spill_bytes={_spill_bytes(ptx)}, "
+                      f"warp_specialized={'setmaxnreg' in ptx}, spill_bytes={spills}, "
+                      f"early_load_uses={_early_load_uses(sass)}, "
                       f"shared={ck.metadata.shared}")
             except Exception:  # noqa: BLE001 - report it
                 failed += 1

@@ -122,3 +122,6 @@ def test_fp8_expert_kernels_compile_to_fp8_tensor_cores():
     # at most a few words of spills (v32: 0 bytes in place, 32 gathering, 44 gathering with the
     # SwiGLU; outside the K loops)
     assert all(int(line.split("spill_bytes=")[1].split(",")[0]) <= 64 for line in gluon), out
+    # no K loop reads a scale it loads before its first wgmma (v32's kernel: 5-9 such reads, each
+    # an L2 round trip before every K block's wgmma; v33: none, the down GEMM 6-7% faster)
+    assert all(int(line.split("early_load_uses=")[1].split(",")[0]) == 0 for line in gluon), out

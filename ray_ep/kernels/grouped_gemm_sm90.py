@@ -261,20 +261,20 @@ def _scaled_k_loop(i, a_bufs, b0_bufs, b1_bufs, full, empty, sa_ptrs, sa_mask, s
     # each wgmma overwrites the registers of the partial product scaled just before (use_acc
     # False): no zero tile per K block; set up per tile, so it is dead in the epilogue
     part = gl.zeros([HALF_M, HALF_O], gl.float32, mma)
-    # the scales arrive a K block ahead: loaded just before their use, the multiply that
-    # joins them waited on the load, and the wgmma after it (ncu, one H200: ~15% of the
-    # consumers' stall samples)
-    sa_next = gl.load(sa_ptrs, mask=sa_mask, other=0.0)
-    sb0_next = gl.load(sb_ptr)
+    # the scales arrive a K block ahead, and the loop carries their products (formed at the end
+    # of the block before, once the loads have landed) rather than the loaded values: carrying
+    # those, ptxas moved each newly loaded one into the register of the old right after the load,
+    # so every K block's wgmma waited for it (ncu, one H200: the consumers' largest stall besides
+    # the wgmma waits)
+    sa = gl.load(sa_ptrs, mask=sa_mask, other=0.0)
+    sb0 = gl.load(sb_ptr)
+    p0 = sa * sb0
     if TWO:
-        sb1_next = gl.load(sb_ptr + sb_up)
+        p1 = sa * gl.load(sb_ptr + sb_up)
     else:
-        sb1_next = sb0_next  # unused
+        p1 = p0  # unused
     for k in range(D // BLOCK_K):
         s = i % NUM_STAGES
-        sa = sa_next
-        sb0 = sb0_next
-        sb1 = sb1_next
         k_next = gl.minimum(k + 1, D // BLOCK_K - 1)  # the last block loads its own again
         sa_next = gl.load(sa_ptrs + k_next * stride_sd, mask=sa_mask, other=0.0)
         sb0_next = gl.load(sb_ptr + k_next * stride_bsd)
@@ -286,15 +286,17 @@ def _scaled_k_loop(i, a_bufs, b0_bufs, b1_bufs, full, empty, sa_ptrs, sa_mask, s
         tok = warpgroup_mma(a_bufs.index(s), b0_bufs.index(s).permute((1, 0)), part, use_acc=False, is_async=True)
         part = warpgroup_mma_wait(0, deps=(tok, ))
         if TWO:
-            acc0 += part * (sa * sb0)[:, None]
+            acc0 += part * p0[:, None]
             tok = warpgroup_mma(a_bufs.index(s), b1_bufs.index(s).permute((1, 0)), part, use_acc=False,
                                 is_async=True)
             part = warpgroup_mma_wait(0, deps=(tok, ))
             mbarrier.arrive(empty.index(s), count=1)
-            acc1 += part * (sa * sb1)[:, None]
+            acc1 += part * p1[:, None]
+            p1 = sa_next * sb1_next
         else:
             mbarrier.arrive(empty.index(s), count=1)
-            acc0 += part * (sa * sb0)[:, None]
+            acc0 += part * p0[:, None]
+        p0 = sa_next * sb0_next
         i += 1
     return i, acc0, acc1
 
