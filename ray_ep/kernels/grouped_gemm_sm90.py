@@ -38,11 +38,19 @@ block), so the tensor cores idle during every scaling. Here (per persistent prog
   gate_up + SwiGLU 2291 -> 2284 us at 64 experts x 512 rows, 2774 -> 2620 at 128 x 256);
 - a tile with at most 64 real rows (an expert's last, for about half of the experts) is a half
   tile: both warpgroups take its 64 rows, each with one of the two 128-column halves, so it
-  takes about half the time of a full tile whose other 64 rows are padding.
+  takes about half the time of a full tile whose other 64 rows are padding;
+- each K block's scales (a per-row activation scale, two weight scales) are loaded a block
+  ahead and the loop carries their products, formed at the end of the block before: carrying
+  the loaded values themselves, ptxas copied each newly loaded one into the old one's register
+  right after the load, and every K block's first wgmma waited for that L2 round trip (ncu on
+  one H200: the consumers' largest stall besides the wgmma waits; ``tests/sm90_compile.py``
+  now counts such reads, ``early_load_uses``).
 
 With both (one H200, deepseek-v3's experts on 4 / 2 / 8 ranks, routed rows; docs/perf.md v32):
 gate_up + SwiGLU 2442 -> 2063 / 2494 -> 2343 / 1893 -> 1957 us, down 1072 -> 981 / 1323 -> 1114 /
-927 -> 906 us, the same bits.
+927 -> 906 us, the same bits. With the scale products (v33, one H200, 4 ranks' routed rows):
+down 995 -> 925 us, the unfused gate_up 2103 -> 1853; the fused gate_up + SwiGLU within +-3%,
+its K loop had no such wait.
 
 One H200, 64 experts x ~512 fp8 rows in place (deepseek-v3 on 4 ranks), against the Triton
 kernel in the same run: gate_up (D 7168, O 4096) 2389 -> 1946 us (775 -> 951 TFLOP/s), down
