@@ -226,9 +226,24 @@ def _ptxas(ptx: str) -> tuple[int, str]:
             f.write(ptx)
         out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", cubin], capture_output=True, text=True,
                              check=True).stderr
-        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin],
-                              capture_output=True, text=True, check=True).stdout
+        with open(cubin, "rb") as f:
+            sass = _sass(f.read())
     return int(re.search(r"(\d+) bytes spill stores", out).group(1)), sass
+
+
+def _sass(cubin: bytes) -> str:
+    """The SASS of a cubin (Triton's cuobjdump)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True, check=True).stdout
 
 
 def _early_load_uses(sass: str) -> int:
@@ -427,6 +442,7 @@ def main() -> int:
                   f"narrow_stores={_narrow_stores(ck.asm['ptx'])}, tma={'cp.async.bulk.tensor' in ck.asm['ptx']}, "
                   f"warps={options.get('num_warps', 4)}, row_loop_barriers={_row_loop_barriers(ck.asm['ptx'])}, "
                   f"block_loop_barriers={_block_loop_barriers(ck.asm['ptx'])}, "
+                  f"early_load_uses={_early_load_uses(_sass(ck.asm['cubin']))}, "
                   f"shared={ck.metadata.shared}")
         except Exception:  # noqa: BLE001 - report every kernel
             failed += 1

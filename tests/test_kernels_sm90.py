@@ -106,6 +106,9 @@ def test_fp8_expert_kernels_compile_to_fp8_tensor_cores():
     assert len(lines) == len(gemms) + len(swiglu) + len(quantise), out
     assert all("wgmma=e4m3" in line for line in gemms), out
     assert all("tma=True" in line for line in gemms), out  # weight tiles arrive by bulk copies
+    # no K loop reads a scale it loads before its dot (v32's decode down GEMM: 4 such reads, the
+    # scale product formed before the dot; v33 carries the next d tile's product)
+    assert all("early_load_uses=0," in line for line in gemms), out
     # pipelined: at least 3 stages of the 128 x 128 fp8 B tile (16 KB) in shared memory (plus
     # the fp8 A tiles). Measured: 96 KB for 64-row tiles, 128 KB for 128-row ones
     shared = [int(line.rsplit("shared=", 1)[1]) for line in gemms]

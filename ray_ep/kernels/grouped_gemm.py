@@ -119,6 +119,11 @@ def _grouped_gemm_kernel(
         b_ptrs = (b_ptr + e.to(tl.int64) * stride_bl
                   + offs_d[:, None] * stride_bd + offs_o[None, :] * stride_bo)
         acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
+        if B_FP8:
+            sb_tile = b_scales_ptr + e.to(tl.int64) * stride_bsl + (o_tile * BLOCK_O // GROUP_D) * stride_bso
+            if BLOCK_O <= GROUP_D:
+                # the first d tile's scale product; the loop carries the next one's (below)
+                s = (tl.load(a_scales_ptr + src * stride_sm, mask=a_mask, other=0.0) * tl.load(sb_tile))
         for d0 in range(0, D, BLOCK_D):
             d_mask = offs_d < D - d0
             if A_TMA:  # rows in place (no row ids): padding rows load too, their outputs are not stored
@@ -129,13 +134,10 @@ def _grouped_gemm_kernel(
                 # fp8 rows only (the launcher quantises others first). BLOCK_D == GROUP_D == 128:
                 # one activation scale per row and one weight scale per 128 output columns
                 # cover the whole d tile (D and O are multiples of 128)
-                sa = tl.load(a_scales_ptr + src * stride_sm + (d0 // GROUP_D) * stride_sd,
-                             mask=a_mask, other=0.0)
                 if B_TMA:  # K-major weights: the descriptor is over their [L, O, D] storage
                     b = tl.trans(tl.reshape(b_desc.load([e, o_tile * BLOCK_O, d0]), (BLOCK_O, BLOCK_D)))
                 else:
                     b = tl.load(b_ptrs, mask=o_mask[None, :], other=0.0)
-                sb_row = b_scales_ptr + e.to(tl.int64) * stride_bsl + (d0 // GROUP_D) * stride_bsd
                 if DOT_FP32:
                     # fp32 holds e4m3 exactly, and an e4m3 x e4m3 product too (8 significant bits)
                     part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -143,10 +145,18 @@ def _grouped_gemm_kernel(
                     part = tl.dot(a, b)  # fp8 tensor cores, fp32 accumulation
                 if BLOCK_O <= GROUP_D:
                     # the tile's columns lie in one weight block: its one scale joins the row
-                    # scales, so the tensor cores wait on one FMA per element, not a multiply too
-                    sb = tl.load(sb_row + (o_tile * BLOCK_O // GROUP_D) * stride_bso)
-                    acc += part * (sa * sb)[:, None]
+                    # scales, so the tensor cores wait on one FMA per element, not a multiply too;
+                    # the product is the next d tile's, loaded here and formed after this one's
+                    # FMA (the last tile loads its own again): formed from this tile's loads,
+                    # ptxas put the multiply, and so a wait for them, before each dot
+                    d_next = tl.minimum(d0 + BLOCK_D, D - BLOCK_D) // GROUP_D
+                    sa_next = tl.load(a_scales_ptr + src * stride_sm + d_next * stride_sd, mask=a_mask, other=0.0)
+                    sb_next = tl.load(sb_tile + d_next * stride_bsd)
+                    acc += part * s[:, None]
+                    s = sa_next * sb_next
                 else:
+                    sa = tl.load(a_scales_ptr + src * stride_sm + (d0 // GROUP_D) * stride_sd, mask=a_mask, other=0.0)
+                    sb_row = b_scales_ptr + e.to(tl.int64) * stride_bsl + (d0 // GROUP_D) * stride_bsd
                     sb = tl.load(sb_row + (offs_o // GROUP_D) * stride_bso, mask=o_mask, other=0.0)
                     acc += part * (sa[:, None] * sb[None, :])
             else:  # bf16 rows and weights
