@@ -248,10 +248,10 @@ def _sass(cubin: bytes) -> str:
 
 def _early_load_uses(sass: str) -> int:
     """In each K loop of ``sass`` (a loop whose body has a wgmma, QGMMA in SASS): the global
-    loads whose value an instruction reads before the loop's first wgmma. The fp8 GEMM loads
+    loads whose value an instruction reads before the loop's first wgmma. The fp8 GEMMs load
     each K block's scales a block ahead; a use that early (ptxas moved a loaded scale into the
-    register of the one before it right after the load, docs/perf.md v33) makes every K
-    block's wgmma wait for an L2 round trip."""
+    register of the one before it right after the load, or formed the scale product before the
+    dot, docs/perf.md v33) makes every K block's wgmma wait for an L2 round trip."""
     import re
 
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]

@@ -119,11 +119,11 @@ def _grouped_gemm_kernel(
         b_ptrs = (b_ptr + e.to(tl.int64) * stride_bl
                   + offs_d[:, None] * stride_bd + offs_o[None, :] * stride_bo)
         acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
-        if B_FP8:
+        if B_FP8 and BLOCK_O <= GROUP_D:
+            # the tile's one column of weight scales, and the first d tile's scale product (the
+            # loop carries the next one's, below)
             sb_tile = b_scales_ptr + e.to(tl.int64) * stride_bsl + (o_tile * BLOCK_O // GROUP_D) * stride_bso
-            if BLOCK_O <= GROUP_D:
-                # the first d tile's scale product; the loop carries the next one's (below)
-                s = (tl.load(a_scales_ptr + src * stride_sm, mask=a_mask, other=0.0) * tl.load(sb_tile))
+            s = tl.load(a_scales_ptr + src * stride_sm, mask=a_mask, other=0.0) * tl.load(sb_tile)
         for d0 in range(0, D, BLOCK_D):
             d_mask = offs_d < D - d0
             if A_TMA:  # rows in place (no row ids): padding rows load too, their outputs are not stored
