@@ -119,9 +119,11 @@ def _grouped_gemm_kernel(
         b_ptrs = (b_ptr + e.to(tl.int64) * stride_bl
                   + offs_d[:, None] * stride_bd + offs_o[None, :] * stride_bo)
         acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
-        if B_FP8 and BLOCK_O <= GROUP_D:
-            # the tile's one column of weight scales, and the first d tile's scale product (the
-            # loop carries the next one's, below)
+        if B_FP8:
+            # the tile's columns lie in one weight block (_launch_config), so its one column of
+            # weight scales joins the row scales; the first d tile's scale product (the loop
+            # carries the next one's, below)
+            tl.static_assert(BLOCK_O <= GROUP_D, "fp8 weights take BLOCK_O <= 128: one weight scale per tile")
             sb_tile = b_scales_ptr + e.to(tl.int64) * stride_bsl + (o_tile * BLOCK_O // GROUP_D) * stride_bso
             s = tl.load(a_scales_ptr + src * stride_sm, mask=a_mask, other=0.0) * tl.load(sb_tile)
         for d0 in range(0, D, BLOCK_D):
@@ -143,22 +145,15 @@ def _grouped_gemm_kernel(
                     part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
                 else:
                     part = tl.dot(a, b)  # fp8 tensor cores, fp32 accumulation
-                if BLOCK_O <= GROUP_D:
-                    # the tile's columns lie in one weight block: its one scale joins the row
-                    # scales, so the tensor cores wait on one FMA per element, not a multiply too;
-                    # the product is the next d tile's, loaded here and formed after this one's
-                    # FMA (the last tile loads its own again): formed from this tile's loads,
-                    # ptxas put the multiply, and so a wait for them, before each dot
-                    d_next = tl.minimum(d0 + BLOCK_D, D - BLOCK_D) // GROUP_D
-                    sa_next = tl.load(a_scales_ptr + src * stride_sm + d_next * stride_sd, mask=a_mask, other=0.0)
-                    sb_next = tl.load(sb_tile + d_next * stride_bsd)
-                    acc += part * s[:, None]
-                    s = sa_next * sb_next
-                else:
-                    sa = tl.load(a_scales_ptr + src * stride_sm + (d0 // GROUP_D) * stride_sd, mask=a_mask, other=0.0)
-                    sb_row = b_scales_ptr + e.to(tl.int64) * stride_bsl + (d0 // GROUP_D) * stride_bsd
-                    sb = tl.load(sb_row + (offs_o // GROUP_D) * stride_bso, mask=o_mask, other=0.0)
-                    acc += part * (sa[:, None] * sb[None, :])
+                # one FMA per element (the tensor cores wait on it), with the scale product of
+                # this d tile; the next tile's is loaded here and formed after the FMA (the last
+                # tile loads its own again): formed from this tile's loads, ptxas put the
+                # multiply, and so a wait for them, before each dot
+                d_next = tl.minimum(d0 + BLOCK_D, D - BLOCK_D) // GROUP_D
+                sa_next = tl.load(a_scales_ptr + src * stride_sm + d_next * stride_sd, mask=a_mask, other=0.0)
+                sb_next = tl.load(sb_tile + d_next * stride_bsd)
+                acc += part * s[:, None]
+                s = sa_next * sb_next
             else:  # bf16 rows and weights
                 if B_TMA:  # a bulk copy; what lies past D or O reads as zeros
                     b = tl.reshape(b_desc.load([e, d0, o_tile * BLOCK_O]), (BLOCK_D, BLOCK_O))
