@@ -208,6 +208,21 @@ def compile_fp8_gemm_sm90(gather: bool, swiglu: bool = False):
     return compile_sm90(sm90._grouped_gemm_fp8_kernel, args, meta, None, {"num_warps": 4}, specialize=True)
 
 
+def compile_combine_send_sm90(hidden: int):
+    """The Gluon combine send (:mod:`ray_ep.kernels.combine_sm90`) for sm_90a, specialised as its
+    launch for a 2-rank top-8 world of ``hidden`` channels would be."""
+    from ray_ep.config import EPConfig
+    from ray_ep.kernels import combine_sm90 as sm90
+
+    cfg = EPConfig.preset("deepseek-v3", gpus_per_node=2, hidden_size=hidden, max_tokens_per_rank=256)
+    desc, meta = sm90.send_args(cfg, torch.zeros(1024, hidden, dtype=torch.bfloat16))
+    i32, i64 = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)
+    args = dict(meta_ptr=i32, src_offsets_ptr=i32, recv_counts_ptr=i32, peer_bases_ptr=i64, epochs_ptr=i64,
+                send_counter_ptr=i32, off_x=4096, off_signal=128, rank=3, R=2, L=128, N=256, H=hidden, **desc)
+    return compile_sm90(sm90._combine_send_sm90_kernel, args, meta, None, {"num_warps": sm90.CONSUMER_WARPS},
+                        specialize=True), meta
+
+
 def _ptxas(ptx: str) -> tuple[int, str]:
     """(bytes the register allocator spills, the SASS) of ``ptx`` assembled for sm_90a by the
     ptxas that ships with Triton (disassembled by its cuobjdump). The Gluon GEMM's consumers
@@ -398,6 +413,8 @@ def main() -> int:
     ap.add_argument("--multi-node", action="store_true", help="a 2-node topology (kernels with NVSHMEM puts)")
     ap.add_argument("--fp8", action="store_true", help="fp8 dispatch")
     ap.add_argument("--nvfp4", action="store_true", help="nvfp4 dispatch, plus the nvfp4 format kernels and GEMM")
+    ap.add_argument("--combine-sm90", action="store_true",
+                    help="only the Hopper combine send in Gluon, for a few hidden sizes")
     ap.add_argument("--fp8-experts", action="store_true",
                     help="only the expert kernels with fp8 weights: grouped GEMMs over fp8, bf16 and nvfp4 "
                          "rows, and the SwiGLU with fp8 (and bf16) output")
@@ -421,6 +438,20 @@ def main() -> int:
             return 0
     failed = 0
     done = set()
+    if a.combine_sm90:
+        for hidden in (7168, 16384, 192):
+            what = f"_combine_send_sm90_kernel (gluon) hidden={hidden}"
+            try:
+                ck, meta = compile_combine_send_sm90(hidden)
+                ptx = ck.asm["ptx"]
+                spills, _ = _ptxas(ptx)
+                print(f"OK   {what}, chunks={meta['CHUNKS']}, box={meta['BOX_ROWS']}x{meta['BOX_W']}, "
+                      f"tma={'cp.async.bulk.tensor' in ptx}, narrow_stores={_narrow_stores(ptx)}, "
+                      f"warp_specialized={'setmaxnreg' in ptx}, spill_bytes={spills}, shared={ck.metadata.shared}")
+            except Exception:  # noqa: BLE001 - report it
+                failed += 1
+                print(f"FAIL {what}\n{traceback.format_exc()}")
+        return 1 if failed else 0
     if a.fp8_experts:
         launches = record_fp8_expert_launches()
     else:

@@ -1142,3 +1142,53 @@ def test_bf16_pairs_unpack_to_their_fp32_values_in_channel_order():
     out = torch.full((H,), 7.0, device=device)
     _pairs_round_trip_kernel[(1,)](x, out, H, BP=triton.next_power_of_2(H // 2))
     assert torch.equal(out.view(torch.int32), x.float().view(torch.int32))
+
+
+# ---- the Hopper combine send (kernels/combine_sm90.py), GPU only ------------------------------
+HOPPER_SEND_CASES = [(2, 7168, "uniform"), (4, 7168, "skewed"), (2, 16384, "skewed"), (4, 192, "uniform")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon send runs on Hopper GPUs only (elsewhere the Triton send runs)")
+@pytest.mark.parametrize("R,hidden,routing", HOPPER_SEND_CASES, ids=[f"R{r}-H{h}-{x}" for r, h, x in HOPPER_SEND_CASES])
+def test_hopper_combine_send_gives_the_triton_sends_bits(monkeypatch, R, hidden, routing):
+    """Under an SM budget on Hopper the combine's send is the Gluon kernel: every rank's partial
+    rows on every peer bit for bit those of the Triton send (the same products added in the
+    same order), for rows of one chunk (7168), of two (16384) and of boxes of 64 channels (192);
+    skewed routing, a rank with one token and one with none; within the budget."""
+    from ray_ep.kernels import combine_sm90
+
+    budget = 8
+    cfg = EPConfig.preset("deepseek-v3", gpus_per_node=R, hidden_size=hidden, max_tokens_per_rank=256)
+    world = LocalWorld.create(cfg, device)
+    tokens = [256, 1, 0, 200][:R]
+    xs, ids, ws = make_inputs(cfg, tokens, seed=41, routing=routing)
+    layouts = [D.dispatch_send(cfg=cfg, x_TH=xs[r].to(device), topk_ids_TK=ids[r].to(device),
+                               topk_weights_TK=ws[r].to(device), bufs=world.bufs[r], ws=world.workspaces[r])
+               for r in range(R)]
+    handles = [D.dispatch_recv(cfg=cfg, layout=layouts[r], bufs=world.bufs[r], ws=world.workspaces[r],
+                               num_tokens=tokens[r]) for r in range(R)]
+    g = torch.Generator(device=device).manual_seed(42)
+    ys = [torch.randn(cfg.max_recv_rows, hidden, device=device, generator=g).to(torch.bfloat16) for _ in range(R)]
+
+    def sent(r: int, hopper: bool) -> list[torch.Tensor]:
+        """Rank r's partial rows on every peer after its send (the rows start as NaN)."""
+        monkeypatch.setattr(combine_sm90, "usable", usable if hopper else (lambda *a, **k: False))
+        for s in range(R):
+            world.bufs[s].local["combine.recv.x"].fill_(float("nan"))
+        with recorded_launches() as launches:
+            C.combine_send(cfg=cfg, y_MH=ys[r], handle=handles[r], bufs=world.bufs[r], ws=world.workspaces[r],
+                           num_sms=budget)
+        torch.cuda.synchronize()
+        assert [x.kernel for x in launches] == ["_combine_send_sm90_kernel" if hopper else "_combine_send_kernel"]
+        assert all(x.programs <= budget for x in launches)
+        return [world.bufs[s].local["combine.recv.x"][r][:int(handles[r].recv.recv_counts_R[s])].clone()
+                for s in range(R)]
+
+    usable = combine_sm90.usable
+    for r in range(R):
+        want, got = sent(r, hopper=False), sent(r, hopper=True)
+        for s in range(R):
+            assert not got[s].isnan().any(), (r, s)
+            assert torch.equal(got[s], want[s]), (r, s, (got[s] != want[s]).sum().item())

@@ -8,7 +8,9 @@ outputs of the row's local experts weighted by their router weights, and stores 
 partial row (combine dtype) at row ``me * N + i`` of source s's ``combine.recv`` buffer; so
 combine moves one row per (token, rank), the same bytes as dispatch. The last program
 releases ``signal[me] = epoch + 1`` on every source (the fused form within one node with
-every SM: each program flags its blocks of rows instead, see :func:`_flag_blocks`).
+every SM: each program flags its blocks of rows instead, see :func:`_flag_blocks`). On a Hopper
+GPU under an SM budget of at most half its SMs, the push send within one node is the Gluon
+kernel of :mod:`ray_ep.kernels.combine_sm90` (the same bits, a bulk copy per live slot).
 
 Receive (on the source): wait for every rank's signal (or the blocks a block of tokens sums), then
 ``out[t] = sum_d recv[d * N + token_slots[t, d]] (+ add[t])`` in fp32, cast to the output
@@ -33,6 +35,7 @@ from ._shmem import other_node, put_bytes, quiet, signal, staged
 from ._sync import at_offset, last_program_done, peer_bases, peer_ptr, release_signals, wait_blocks, wait_signals
 from ._util import (comm_tile, fused_as_two_launches, interpreted, launch, num_sms as sm_count, remote_meta,
                     side_stream, timeouts)
+from . import combine_sm90 as sm90
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 from .pairs import join_pairs, pair_ptr, unpack_pairs
@@ -382,6 +385,16 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
     if pull:  # whole-SM programs on every SM the budget leaves (all of them without one)
         sms = sm_count(bufs.device)
         budget = sms - budget if budget and budget < sms else sms
+    if not pull and sm90.usable(cfg, y_MH, budget):  # Hopper: expert rows by bulk copies (combine_sm90)
+        desc, meta = sm90.send_args(cfg, y_MH)
+        args = dict(meta_ptr=handle.meta_rows, src_offsets_ptr=handle.recv.src_offsets_RL,
+                    recv_counts_ptr=handle.recv.recv_counts_R, peer_bases_ptr=bufs.combine.peer_bases_ptr,
+                    epochs_ptr=ws.epochs[EPOCH_COMBINE:], send_counter_ptr=ws.counters[COUNTER_COMBINE_SEND:],
+                    off_x=bufs.combine.off_x, off_signal=bufs.combine.off_signal, rank=bufs.rank, R=cfg.world_size,
+                    L=cfg.experts_per_rank, N=cfg.max_tokens_per_rank, H=cfg.hidden_size, **desc)
+        launch(sm90._combine_send_sm90_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]),
+               device=bufs.device, budget=budget, resident=True, args=args, meta=meta, warps=sm90.CONSUMER_WARPS)
+        return
     rows, tile, _, warps = _tile(cfg, bufs, budget, handle.num_tokens)
     if pull:
         rows = PULL_BLOCK_ROWS  # one readiness flag per block
