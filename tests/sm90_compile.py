@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import traceback
 
@@ -208,9 +209,9 @@ def compile_fp8_gemm_sm90(gather: bool, swiglu: bool = False):
     return compile_sm90(sm90._grouped_gemm_fp8_kernel, args, meta, None, {"num_warps": 4}, specialize=True)
 
 
-def compile_combine_send_sm90(hidden: int):
-    """The Gluon combine send (:mod:`ray_ep.kernels.combine_sm90`) for sm_90a, specialised as its
-    launch for a 2-rank top-8 world of ``hidden`` channels would be."""
+def combine_send_sm90_launch(hidden: int) -> tuple[dict, dict]:
+    """(arguments, constexprs) of the Gluon combine send (:mod:`ray_ep.kernels.combine_sm90`)
+    as its launch for a 2-rank top-8 world of ``hidden`` channels would pass them."""
     from ray_ep.config import EPConfig
     from ray_ep.kernels import combine_sm90 as sm90
 
@@ -219,8 +220,28 @@ def compile_combine_send_sm90(hidden: int):
     i32, i64 = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)
     args = dict(meta_ptr=i32, src_offsets_ptr=i32, recv_counts_ptr=i32, peer_bases_ptr=i64, epochs_ptr=i64,
                 send_counter_ptr=i32, off_x=4096, off_signal=128, rank=3, R=2, L=128, N=256, H=hidden, **desc)
-    return compile_sm90(sm90._combine_send_sm90_kernel, args, meta, None, {"num_warps": sm90.CONSUMER_WARPS},
-                        specialize=True), meta
+    return args, meta
+
+
+# 16-byte async copies (cp.async) from global to shared memory in PTX: the gathered rows
+_CP_ASYNC16 = re.compile(r"cp[.]async[.]cg[.]shared[.]global \[[^]]*\], \[[^]]*\], 0x10")
+
+
+def _report_gluon(what: str, build) -> int:
+    """Compile a Gluon kernel (``build()`` returns it compiled) and print one line of what its
+    PTX and SASS show; 1 (and a FAIL line) if it does not compile, else 0."""
+    try:
+        ck = build()
+        ptx = ck.asm["ptx"]
+        spills, sass = _ptxas(ptx)
+        print(f"OK   {what}, wgmma={_wgmma(ptx)}, tma={'cp.async.bulk.tensor' in ptx}, "
+              f"cp_async16={len(_CP_ASYNC16.findall(ptx))}, "
+              f"narrow_stores={_narrow_stores(ptx)}, warp_specialized={'setmaxnreg' in ptx}, spill_bytes={spills}, "
+              f"early_load_uses={_early_load_uses(sass)}, shared={ck.metadata.shared}")
+        return 0
+    except Exception:  # noqa: BLE001 - report it
+        print(f"FAIL {what}\n{traceback.format_exc()}")
+        return 1
 
 
 def _ptxas(ptx: str) -> tuple[int, str]:
@@ -228,7 +249,6 @@ def _ptxas(ptx: str) -> tuple[int, str]:
     ptxas that ships with Triton (disassembled by its cuobjdump). The Gluon GEMM's consumers
     run at the edge of their registers, and spills there cost more than the kernel gains (an
     epilogue that spilled 1156 bytes ran 2.3-2.8x slower, docs/perf.md v29)."""
-    import re
     import subprocess
     import tempfile
 
@@ -267,8 +287,6 @@ def _early_load_uses(sass: str) -> int:
     each K block's scales a block ahead; a use that early (ptxas moved a loaded scale into the
     register of the one before it right after the load, or formed the scale product before the
     dot, docs/perf.md v33) makes every K block's wgmma wait for an L2 round trip."""
-    import re
-
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     at = {a: i for i, (a, _) in enumerate(ins)}
     early = 0
@@ -290,8 +308,6 @@ def _early_load_uses(sass: str) -> int:
 
 def _wgmma(ptx: str) -> str:
     """The operand type of the Hopper tensor-core instructions in ``ptx`` (e4m3, bf16), or no."""
-    import re
-
     kinds = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.f32\.(\w+)\.", ptx)))
     return "+".join(kinds) or "no"
 
@@ -299,8 +315,6 @@ def _wgmma(ptx: str) -> str:
 def _narrow_stores(ptx: str) -> int:
     """Global stores of 1 or 2 bytes in ``ptx``: row data stored that way (to a peer over
     NVLink, above all) costs 8 to 16 times the store instructions of a 16-byte vector."""
-    import re
-
     return len(re.findall(r"st\.global(?:\.\w+)*?\.b(?:8|16)\b", ptx))
 
 
@@ -310,8 +324,6 @@ _BARRIER = r"\bbar(?:rier)?\.sync\b"
 
 def _loops(lines: list[str]) -> list[tuple[int, int]]:
     """The loops of PTX ``lines`` as [label line, backward branch line] ranges."""
-    import re
-
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\$L__\w+):", line))}
     loops = []
     for i, line in enumerate(lines):
@@ -327,8 +339,6 @@ def _inside(inner: tuple[int, int], outer: tuple[int, int]) -> bool:
 
 def _row_loops(lines: list[str], loops: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The innermost loops that store vectors (rows of bf16, fp8 or packed nvfp4)."""
-    import re
-
     return [lp for lp in loops if not any(_inside(o, lp) for o in loops)
             and any(re.search(_VECTOR_STORE, line) for line in lines[lp[0]:lp[1] + 1])]
 
@@ -338,8 +348,6 @@ def _row_loop_barriers(ptx: str) -> int:
     budget a program is alone on its SM, and a barrier in its channel loop makes all of its
     warps wait for the slowest at every step (fp8's scales once did, through shared memory:
     16-18% of the send)."""
-    import re
-
     lines = ptx.splitlines()
     return sum(1 for a, b in _row_loops(lines, _loops(lines)) for line in lines[a:b + 1] if re.search(_BARRIER, line))
 
@@ -349,8 +357,6 @@ def _block_loop_barriers(ptx: str) -> int:
     work: its rows, slots and meta), outside those channel loops. Under an SM budget each
     stops every warp once per block: the combine's send picked each slot's row out of a
     [rows, K] tile through shared memory, 16 barriers a block (8 rows, K 8)."""
-    import re
-
     lines = ptx.splitlines()
     loops = _loops(lines)
     rows = _row_loops(lines, loops)
@@ -439,18 +445,15 @@ def main() -> int:
     failed = 0
     done = set()
     if a.combine_sm90:
+        from ray_ep.kernels import combine_sm90 as sm90
+
         for hidden in (7168, 16384, 192):
-            what = f"_combine_send_sm90_kernel (gluon) hidden={hidden}"
-            try:
-                ck, meta = compile_combine_send_sm90(hidden)
-                ptx = ck.asm["ptx"]
-                spills, _ = _ptxas(ptx)
-                print(f"OK   {what}, chunks={meta['CHUNKS']}, box={meta['BOX_ROWS']}x{meta['BOX_W']}, "
-                      f"tma={'cp.async.bulk.tensor' in ptx}, narrow_stores={_narrow_stores(ptx)}, "
-                      f"warp_specialized={'setmaxnreg' in ptx}, spill_bytes={spills}, shared={ck.metadata.shared}")
-            except Exception:  # noqa: BLE001 - report it
-                failed += 1
-                print(f"FAIL {what}\n{traceback.format_exc()}")
+            args, meta = combine_send_sm90_launch(hidden)
+            failed += _report_gluon(
+                f"_combine_send_sm90_kernel (gluon) hidden={hidden}, chunks={meta['CHUNKS']}, "
+                f"box={meta['BOX_ROWS']}x{meta['BOX_W']}",
+                lambda: compile_sm90(sm90._combine_send_sm90_kernel, args, meta, None,
+                                     {"num_warps": sm90.CONSUMER_WARPS}, specialize=True))
         return 1 if failed else 0
     if a.fp8_experts:
         launches = record_fp8_expert_launches()
@@ -479,23 +482,9 @@ def main() -> int:
             failed += 1
             print(f"FAIL {kernel.fn.__name__}\n{traceback.format_exc()}")
     if a.fp8_experts:
-        import re
-
         for gather, swiglu in ((False, False), (True, False), (True, True)):
-            what = f"_grouped_gemm_fp8_kernel (gluon) gather={gather}" + (", swiglu=True" if swiglu else "")
-            try:
-                ck = compile_fp8_gemm_sm90(gather, swiglu)
-                ptx = ck.asm["ptx"]
-                spills, sass = _ptxas(ptx)
-                print(f"OK   {what}, wgmma={_wgmma(ptx)}, "
-                      f"tma={'cp.async.bulk.tensor' in ptx}, "
-                      f"cp_async16={len(re.findall(r'cp[.]async[.]cg[.]shared[.]global [[][^]]*[]], [[][^]]*[]], 0x10', ptx))}, "
-                      f"warp_specialized={'setmaxnreg' in ptx}, spill_bytes={spills}, "
-                      f"early_load_uses={_early_load_uses(sass)}, "
-                      f"shared={ck.metadata.shared}")
-            except Exception:  # noqa: BLE001 - report it
-                failed += 1
-                print(f"FAIL {what}\n{traceback.format_exc()}")
+            failed += _report_gluon(f"_grouped_gemm_fp8_kernel (gluon) gather={gather}" + (", swiglu=True" if swiglu else ""),
+                                    lambda: compile_fp8_gemm_sm90(gather, swiglu))
     return 1 if failed else 0
 
 
