@@ -389,9 +389,9 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
         desc, meta = sm90.send_args(cfg, y_MH)
         args = dict(meta_ptr=handle.meta_rows, src_offsets_ptr=handle.recv.src_offsets_RL,
                     recv_counts_ptr=handle.recv.recv_counts_R, peer_bases_ptr=bufs.combine.peer_bases_ptr,
-                    epochs_ptr=ws.epochs[EPOCH_COMBINE:], send_counter_ptr=ws.counters[COUNTER_COMBINE_SEND:],
-                    off_x=bufs.combine.off_x, off_signal=bufs.combine.off_signal, rank=bufs.rank, R=cfg.world_size,
-                    L=cfg.experts_per_rank, N=cfg.max_tokens_per_rank, H=cfg.hidden_size, **desc)
+                    send_counter_ptr=ws.counters[COUNTER_COMBINE_SEND:], off_x=bufs.combine.off_x,
+                    off_signal=bufs.combine.off_signal, rank=bufs.rank, L=cfg.experts_per_rank, **desc,
+                    **_common_args(cfg, bufs, ws))
         launch(sm90._combine_send_sm90_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]),
                device=bufs.device, budget=budget, resident=True, args=args, meta=meta, warps=sm90.CONSUMER_WARPS)
         return

@@ -44,7 +44,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._sync import last_program_done, peer_bases
 from ._util import interpreted, num_sms as sm_count, tma_addressable
+
+# the Triton sends' helpers, compiled as Gluon: the peer table's addresses, and the count of
+# finished programs whose last one releases the signals
+_peer_bases = gluon.jit(peer_bases.fn)
+_last_program_done = gluon.jit(last_program_done.fn)
 
 PARTS = 2  # halves of a program (a producer warp and a consumer warpgroup each): one producer was the bound
 STAGES = 6  # ring entries per consumer, a chunk each: 12 x 16 KB of shared memory in flight per SM
@@ -205,9 +211,7 @@ def _consumer(peer_bases_ptr, recv_counts_ptr, off_x, rank, R, N, H, bufs, full,
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     counts, blocks = _sources(recv_counts_ptr, rank, R, R_PAD, BJ)
-    bases = ()
-    for d in gl.static_range(R_PAD):
-        bases = bases + (gl.load(peer_bases_ptr + d, mask=d < R, other=0),)
+    bases = _peer_bases(peer_bases_ptr, R, R_PAD)
     cols = (gl.arange(0, BOX_ROWS, layout=gl.SliceLayout(1, tile))[:, None] * BOX_W
             + gl.arange(0, BOX_W, layout=gl.SliceLayout(0, tile))[None, :])
     i = 0
@@ -260,20 +264,13 @@ def _combine_send_sm90_kernel(y_desc, meta_ptr, src_offsets_ptr, recv_counts_ptr
     consumer = (peer_bases_ptr, recv_counts_ptr, off_x, rank, R, N, H, bufs, full, empty, info_w, info_last)
     producer = (y_desc, meta_ptr, src_offsets_ptr, recv_counts_ptr, rank, R, L, N, bufs, full, empty, info_w, info_last)
     NW: gl.constexpr = gl.num_warps()
-    gl.static_assert(PARTS == 1 or PARTS == 2)
-    if PARTS == 1:
-        gl.warp_specialize([(_consumer, consumer + (meta0, )), (_producer, producer + (meta0, ))], [1],
-                           [PRODUCER_REGS])
-    else:  # a producer warp per consumer: one warp issues the copies of one consumer's rows
-        gl.warp_specialize([(_consumer, consumer + (meta0, )), (_consumer, consumer + (meta1, )),
-                            (_producer, producer + (meta0, )), (_producer, producer + (meta1, ))], [NW, 1, 1],
-                           [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    gl.static_assert(PARTS == 2)  # a producer warp per consumer: one warp issues the copies of one consumer's rows
+    gl.warp_specialize([(_consumer, consumer + (meta0, )), (_consumer, consumer + (meta1, )),
+                        (_producer, producer + (meta0, )), (_producer, producer + (meta1, ))], [NW, 1, 1],
+                       [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     # as the Triton send: the last program out releases every rank's signal (one node)
-    gl.thread_barrier()  # every consumer thread's stores happen before the release below
-    old = gl.atomic_add(send_counter_ptr, 1, sem="acq_rel", scope="sys")
-    if old == gl.num_programs(0) - 1:
-        gl.atomic_xchg(send_counter_ptr, 0, sem="relaxed", scope="gpu")
-        vec: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    if _last_program_done(send_counter_ptr, True):
+        vec: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         d = gl.arange(0, R_PAD, layout=vec)
         base = gl.load(peer_bases_ptr + d, mask=d < R, other=0)
         sig = (base + off_signal).to(gl.pointer_type(gl.int64)) + rank
