@@ -209,17 +209,18 @@ def compile_fp8_gemm_sm90(gather: bool, swiglu: bool = False):
     return compile_sm90(sm90._grouped_gemm_fp8_kernel, args, meta, None, {"num_warps": 4}, specialize=True)
 
 
-def combine_send_sm90_launch(hidden: int) -> tuple[dict, dict]:
+def combine_send_sm90_launch(hidden: int, flags: bool = False) -> tuple[dict, dict]:
     """(arguments, constexprs) of the Gluon combine send (:mod:`ray_ep.kernels.combine_sm90`)
-    as its launch for a 2-rank top-8 world of ``hidden`` channels would pass them."""
+    as its launch for a 2-rank top-8 world of ``hidden`` channels would pass them (``flags``:
+    the form that flags its rows for a sum beside it)."""
     from ray_ep.config import EPConfig
     from ray_ep.kernels import combine_sm90 as sm90
 
     cfg = EPConfig.preset("deepseek-v3", gpus_per_node=2, hidden_size=hidden, max_tokens_per_rank=256)
-    desc, meta = sm90.send_args(cfg, torch.zeros(1024, hidden, dtype=torch.bfloat16))
+    desc, meta = sm90.send_args(cfg, torch.zeros(1024, hidden, dtype=torch.bfloat16), flags=flags)
     i32, i64 = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)
     args = dict(meta_ptr=i32, src_offsets_ptr=i32, recv_counts_ptr=i32, peer_bases_ptr=i64, epochs_ptr=i64,
-                send_counter_ptr=i32, off_x=4096, off_signal=128, rank=3, R=2, L=128, N=256, H=hidden, **desc)
+                send_counter_ptr=i32, off_x=4096, off_signal=128, off_ready=256, rank=3, R=2, L=128, N=256, H=hidden, **desc)
     return args, meta
 
 
@@ -447,11 +448,11 @@ def main() -> int:
     if a.combine_sm90:
         from ray_ep.kernels import combine_sm90 as sm90
 
-        for hidden in (7168, 16384, 192):
-            args, meta = combine_send_sm90_launch(hidden)
+        for hidden, flags in ((7168, False), (7168, True), (16384, False), (192, True)):
+            args, meta = combine_send_sm90_launch(hidden, flags)
             failed += _report_gluon(
                 f"_combine_send_sm90_kernel (gluon) hidden={hidden}, chunks={meta['CHUNKS']}, "
-                f"box={meta['BOX_ROWS']}x{meta['BOX_W']}",
+                f"box={meta['BOX_ROWS']}x{meta['BOX_W']}, flags={flags}",
                 lambda: compile_sm90(sm90._combine_send_sm90_kernel, args, meta, None,
                                      {"num_warps": sm90.CONSUMER_WARPS}, specialize=True))
         return 1 if failed else 0

@@ -1192,3 +1192,101 @@ def test_hopper_combine_send_gives_the_triton_sends_bits(monkeypatch, R, hidden,
         for s in range(R):
             assert not got[s].isnan().any(), (r, s)
             assert torch.equal(got[s], want[s]), (r, s, (got[s] != want[s]).sum().item())
+
+
+OVERLAP_CASES = [(2, 7168, "uniform"), (4, 7168, "skewed"), (4, 192, "uniform")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the sum beside the Gluon send runs on Hopper GPUs only")
+@pytest.mark.parametrize("R,hidden,routing", OVERLAP_CASES, ids=[f"R{r}-H{h}-{x}" for r, h, x in OVERLAP_CASES])
+def test_hopper_sum_beside_the_send_gives_the_serial_combines_bits(monkeypatch, R, hidden, routing):
+    """Under an SM budget on Hopper the fused combine's sum runs beside the Gluon send, each
+    block of tokens waiting for the flags of the rows it adds: launched before any send (so it
+    must wait), on fewer SMs than the send, it gives every rank's output bit for bit as the
+    Triton send and the signalled sum do (the same rows added in the same order), with the
+    shared-expert rows added; a rank with one token and one with none."""
+    from ray_ep.kernels import combine_sm90
+
+    budget = 8
+    sum_sms = C.overlap_sum_sms(budget)
+    assert 1 <= sum_sms < budget
+    cfg = EPConfig.preset("deepseek-v3", gpus_per_node=R, hidden_size=hidden, max_tokens_per_rank=256)
+    world = LocalWorld.create(cfg, device)
+    tokens = [256, 1, 0, 200][:R]
+    xs, ids, ws = make_inputs(cfg, tokens, seed=43, routing=routing)
+    layouts = [D.dispatch_send(cfg=cfg, x_TH=xs[r].to(device), topk_ids_TK=ids[r].to(device),
+                               topk_weights_TK=ws[r].to(device), bufs=world.bufs[r], ws=world.workspaces[r])
+               for r in range(R)]
+    handles = [D.dispatch_recv(cfg=cfg, layout=layouts[r], bufs=world.bufs[r], ws=world.workspaces[r],
+                               num_tokens=tokens[r]) for r in range(R)]
+    g = torch.Generator(device=device).manual_seed(44)
+    ys = [torch.randn(cfg.max_recv_rows, hidden, device=device, generator=g).to(torch.bfloat16) for _ in range(R)]
+    adds = [torch.randn(tokens[r], hidden, device=device, generator=g).to(torch.bfloat16) for r in range(R)]
+    common = [dict(cfg=cfg, handle=handles[r], bufs=world.bufs[r], ws=world.workspaces[r]) for r in range(R)]
+
+    monkeypatch.setattr(combine_sm90, "usable", lambda *a, **k: False)  # the Triton send, then the sum
+    for r in range(R):
+        C.combine_send(y_MH=ys[r], num_sms=budget, **common[r])
+    want = [C.combine_recv(add_TH=adds[r], num_sms=budget, **common[r]) for r in range(R)]
+
+    def fresh() -> list[torch.Tensor]:
+        for r in range(R):
+            world.bufs[r].local["combine.recv.x"].fill_(float("nan"))
+        return [torch.full((tokens[r], hidden), float("nan"), dtype=torch.bfloat16, device=device) for r in range(R)]
+
+    outs = fresh()  # first the sends, then the sums (this compiles both before a sum spins)
+    for r in range(R):
+        C._send_sm90(y_MH=ys[r], budget=budget - sum_sms, flags=True, **common[r])
+    for r in range(R):
+        C._launch_recv(out=outs[r], add_TH=adds[r], budget=sum_sms, flags=True, **common[r])
+        check_status(world.workspaces[r], r, "combine")
+        assert torch.equal(outs[r], want[r]), (r, (outs[r] != want[r]).sum().item())
+    outs = fresh()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with recorded_launches() as launches:
+        with torch.cuda.stream(side):  # every sum waits before a row is sent
+            for r in range(R):
+                C._launch_recv(out=outs[r], add_TH=adds[r], budget=sum_sms, flags=True, **common[r])
+        for r in range(R):
+            C._send_sm90(y_MH=ys[r], budget=budget - sum_sms, flags=True, **common[r])
+    torch.cuda.synchronize()
+    for r in range(R):
+        check_status(world.workspaces[r], r, "combine")
+        assert torch.equal(outs[r], want[r]), (r, (outs[r] != want[r]).sum().item())
+    sends = [x.programs for x in launches if x.kernel == "_combine_send_sm90_kernel"]
+    sums = [x.programs for x in launches if x.kernel == "_combine_recv_kernel"]
+    assert sends == [budget - sum_sms] * R and len(sums) == R and max(sums) == sum_sms  # fewer for fewer tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the sum beside the Gluon send runs on Hopper GPUs only")
+def test_hopper_sum_beside_the_send_times_out_on_a_silent_rank():
+    """The sum that waits for the Gluon send's flags names a rank whose rows never come, in
+    time, as the signalled sum does."""
+    R, budget = 4, 8
+    cfg = EPConfig.preset("deepseek-v3", gpus_per_node=R, max_tokens_per_rank=64, recv_timeout_s=TIMEOUT_S)
+    world = LocalWorld.create(cfg, device)
+    tokens = [64, 40, 64, 17]
+    xs, ids, ws = make_inputs(cfg, tokens, seed=45)
+    layouts = [D.dispatch_send(cfg=cfg, x_TH=xs[r].to(device), topk_ids_TK=ids[r].to(device),
+                               topk_weights_TK=ws[r].to(device), bufs=world.bufs[r], ws=world.workspaces[r])
+               for r in range(R)]
+    handles = [D.dispatch_recv(cfg=cfg, layout=layouts[r], bufs=world.bufs[r], ws=world.workspaces[r],
+                               num_tokens=tokens[r]) for r in range(R)]
+    y = torch.randn(cfg.max_recv_rows, cfg.hidden_size, device=device).to(torch.bfloat16)
+    sum_sms = C.overlap_sum_sms(budget)
+    silent = 2
+    for r in range(R):
+        if r != silent:
+            C._send_sm90(cfg, y, handles[r], world.bufs[r], world.workspaces[r], budget - sum_sms, flags=True)
+    for r in range(R):
+        out = torch.empty(tokens[r], cfg.hidden_size, dtype=torch.bfloat16, device=device)
+        start = time.monotonic()
+        C._launch_recv(cfg, handles[r], world.bufs[r], world.workspaces[r], out, None, sum_sms, flags=True)
+        with pytest.raises(EPTimeoutError, match=rf"combine: rank\(s\) \[{silent}\] stayed silent: rank {r} timed out"):
+            check_status(world.workspaces[r], r, "combine")
+        assert time.monotonic() - start < QUICK_S

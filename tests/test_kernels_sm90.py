@@ -133,11 +133,13 @@ def test_fp8_expert_kernels_compile_to_fp8_tensor_cores():
 def test_hopper_combine_send_compiles_warp_specialised_without_spills():
     # the combine's send under an SM budget on Hopper (kernels/combine_sm90.py): expert rows by
     # TMA bulk copies into shared memory, a producer warp and a consumer warpgroup per half of
-    # the rows; rows leave in 16-byte stores. deepseek-v3's 7168 channels in one chunk of a row,
-    # 16384 in two, 192 (not a multiple of 128) in boxes of 64 channels
+    # the blocks; rows leave in 16-byte stores. deepseek-v3's 7168 channels in one chunk of a row,
+    # 16384 in two, 192 (not a multiple of 128) in boxes of 64 channels; the form that flags
+    # its blocks for the sum beside it too
     out = _compile("--combine-sm90")
     lines = [line for line in out.splitlines() if line.startswith("OK")]
-    assert len(lines) == 3, out
+    assert len(lines) == 4, out
+    assert sum("flags=True" in line for line in lines) == 2, out
     assert all("tma=True" in line and "warp_specialized=True" in line for line in lines), out
     assert all("spill_bytes=0," in line and "narrow_stores=0," in line for line in lines), out
     assert "hidden=7168, chunks=1, box=32x256" in out and "hidden=16384, chunks=2" in out, out

@@ -10,7 +10,9 @@ combine moves one row per (token, rank), the same bytes as dispatch. The last pr
 releases ``signal[me] = epoch + 1`` on every source (the fused form within one node with
 every SM: each program flags its blocks of rows instead, see :func:`_flag_blocks`). On a Hopper
 GPU under an SM budget of at most half its SMs, the push send within one node is the Gluon
-kernel of :mod:`ray_ep.kernels.combine_sm90` (the same bits, a bulk copy per live slot).
+kernel of :mod:`ray_ep.kernels.combine_sm90` (the same bits, a bulk copy per live slot); in the
+fused form from ``OVERLAP_MIN_SMS`` SMs on it flags each block of rows it stores, and the
+receive runs beside it on part of the budget (:func:`_overlapped_combine`).
 
 Receive (on the source): wait for every rank's signal (or the blocks a block of tokens sums), then
 ``out[t] = sum_d recv[d * N + token_slots[t, d]] (+ add[t])`` in fp32, cast to the output
@@ -251,13 +253,15 @@ def _combine_send_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_counts
 def _combine_recv_kernel(signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out,
                          epochs_ptr, recv_counter_ptr, status_ptr, peer_bases_ptr, off_x, ready_ptr, rank, T, N, H, R,
                          timeout_ns, max_spins, R_PAD: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr,
-                         BLOCK_HS: tl.constexpr, USE_TIMER: tl.constexpr, PULL: tl.constexpr, PB: tl.constexpr):
+                         BLOCK_HS: tl.constexpr, USE_TIMER: tl.constexpr, PULL: tl.constexpr, PB: tl.constexpr,
+                         FLAGS: tl.constexpr):
     epoch = tl.load(epochs_ptr)
-    # pull: each block of tokens waits for the blocks of partial rows it loads, not for whole ranks
-    if PULL or wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
+    # pull, or a push whose send flags its blocks (FLAGS): each block of tokens waits for the
+    # blocks of partial rows it loads, not for whole ranks
+    if PULL or FLAGS or wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER):
         _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr, off_x,
                   rank, ready_ptr, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, HAS_ADD, BT, BLOCK_HS, PULL,
-                  PB, USE_TIMER)
+                  PB, USE_TIMER, FLAGS)
     if last_program_done(recv_counter_ptr, False):
         tl.store(epochs_ptr, epoch + 1)
 
@@ -304,6 +308,12 @@ SUM_CHANNELS = {2: 4096, 4: 4096, 8: 1024}
 # step. 4x H200, prefill (4 x 4096 tokens), one-process microbenchmark of the pull at 24 / 16
 # programs: 8 rows x 1024 channels 569 / 712 us, x 2048 645 / 807, x 4096 929 / 1279
 PULL_SUM_CHANNELS = 1024
+# The per-token sum beside the Gluon send (see _overlapped_combine): from OVERLAP_MIN_SMS on,
+# on this share of the budget. 4x H200, prefill bf16 combine (docs/perf.md v35), serial against
+# beside (send / sum SMs): 24 SMs 797.5 against 793.3 (15 / 9), 734.1 (14 / 10), 799.3 (12 / 12);
+# 16 SMs 816.8 against 1052.0-1139.8: the sum, on few SMs, is then the bound
+OVERLAP_SUM_SHARE = 5 / 12
+OVERLAP_MIN_SMS = 24
 _WIRE_BYTES = {"bf16": 2, "fp32": 4}
 
 
@@ -386,14 +396,7 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
         sms = sm_count(bufs.device)
         budget = sms - budget if budget and budget < sms else sms
     if not pull and sm90.usable(cfg, y_MH, budget):  # Hopper: expert rows by bulk copies (combine_sm90)
-        desc, meta = sm90.send_args(cfg, y_MH)
-        args = dict(meta_ptr=handle.meta_rows, src_offsets_ptr=handle.recv.src_offsets_RL,
-                    recv_counts_ptr=handle.recv.recv_counts_R, peer_bases_ptr=bufs.combine.peer_bases_ptr,
-                    send_counter_ptr=ws.counters[COUNTER_COMBINE_SEND:], off_x=bufs.combine.off_x,
-                    off_signal=bufs.combine.off_signal, rank=bufs.rank, L=cfg.experts_per_rank, **desc,
-                    **_common_args(cfg, bufs, ws))
-        launch(sm90._combine_send_sm90_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]),
-               device=bufs.device, budget=budget, resident=True, args=args, meta=meta, warps=sm90.CONSUMER_WARPS)
+        _send_sm90(cfg, y_MH, handle, bufs, ws, budget, flags=False)
         return
     rows, tile, _, warps = _tile(cfg, bufs, budget, handle.num_tokens)
     if pull:
@@ -406,6 +409,20 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
            budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
 
 
+def _send_sm90(cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
+               budget: int, flags: bool) -> None:
+    """The Gluon send of :mod:`ray_ep.kernels.combine_sm90` on ``budget`` SMs (``flags``: each
+    half block of rows flagged to its source once stored, for a sum beside it)."""
+    desc, meta = sm90.send_args(cfg, y_MH, flags=flags)
+    args = dict(meta_ptr=handle.meta_rows, src_offsets_ptr=handle.recv.src_offsets_RL,
+                recv_counts_ptr=handle.recv.recv_counts_R, peer_bases_ptr=bufs.combine.peer_bases_ptr,
+                send_counter_ptr=ws.counters[COUNTER_COMBINE_SEND:], off_x=bufs.combine.off_x,
+                off_signal=bufs.combine.off_signal, off_ready=bufs.combine.off_ready, rank=bufs.rank,
+                L=cfg.experts_per_rank, **desc, **_common_args(cfg, bufs, ws))
+    launch(sm90._combine_send_sm90_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]),
+           device=bufs.device, budget=budget, resident=True, args=args, meta=meta, warps=sm90.CONSUMER_WARPS)
+
+
 def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
                  out_dtype: torch.dtype = torch.bfloat16, add_TH: torch.Tensor | None = None,
                  num_sms: int | None = None, check: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -416,19 +433,27 @@ def combine_recv(*, cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffer
     silent rank fails the ranks that need rows from it."""
     if out is None:
         out = _out(handle, cfg, out_dtype, add_TH, bufs.device)
-    budget = num_sms or cfg.num_sms
-    rows, _, tile, warps = _tile(cfg, bufs, budget, handle.num_tokens)
-    pull = cfg.combine_mode == "pull"
-    if pull:
-        rows = min(rows, PULL_BLOCK_ROWS)  # a block of tokens loads from at most two flagged blocks per rank
-    args, meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
-    args.update(bufs.combine.pull_args(), rank=bufs.rank)
-    meta.update(PULL=pull, PB=PULL_BLOCK_ROWS)
-    launch(_combine_recv_kernel, work=triton.cdiv(handle.num_tokens, rows), device=bufs.device,
-           budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
+    _launch_recv(cfg, handle, bufs, ws, out, add_TH, num_sms or cfg.num_sms, flags=False)
     if check:
         check_status(ws, bufs.rank, "combine")
     return out
+
+
+def _launch_recv(cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace, out: torch.Tensor,
+                 add_TH: torch.Tensor | None, budget: int | None, flags: bool) -> None:
+    """The receive half into ``out`` on ``budget`` SMs; ``flags`` (push): each block of tokens
+    waits for the Gluon send's flags on the rows it adds (``sm90.FLAG_ROWS`` rows per flag),
+    not for every rank's signal."""
+    rows, _, tile, warps = _tile(cfg, bufs, budget, handle.num_tokens)
+    pull = cfg.combine_mode == "pull"
+    block = PULL_BLOCK_ROWS if pull else sm90.FLAG_ROWS
+    if pull or flags:
+        rows = min(rows, block)  # a block of tokens loads from at most two flagged blocks per rank
+    args, meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
+    args.update(bufs.combine.pull_args(), rank=bufs.rank)
+    meta.update(PULL=pull, PB=block, FLAGS=flags and not pull)
+    launch(_combine_recv_kernel, work=triton.cdiv(handle.num_tokens, rows), device=bufs.device,
+           budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
 
 
 def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers,
@@ -437,12 +462,16 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
     """Send partial rows and sum the arrivals in one launch (GPU; all ranks at once).
     Arguments as :func:`combine_send` and :func:`combine_recv`. combine_mode "pull" runs the
     two halves, see :func:`_pull_combine`; so does a batch of more tokens than SMs under an SM
-    budget (faster there, see :func:`ray_ep.kernels.dispatch.dispatch_fused`)."""
+    budget (faster there, see :func:`ray_ep.kernels.dispatch.dispatch_fused`), the receive
+    beside the send on Hopper from ``OVERLAP_MIN_SMS`` SMs on (:func:`_overlapped_combine`)."""
     if cfg.combine_mode == "pull":
         return _pull_combine(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype,
                              add_TH=add_TH, num_sms=num_sms, check=check)
     budget = num_sms or cfg.num_sms
     if fused_as_two_launches(budget, handle.num_tokens, bufs.device):
+        if budget >= OVERLAP_MIN_SMS and sm90.usable(cfg, y_MH, budget):  # Hopper: the sum beside the Gluon send
+            return _overlapped_combine(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype,
+                                       add_TH=add_TH, budget=budget, check=check)
         combine_send(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, num_sms=budget)
         return combine_recv(cfg=cfg, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype, add_TH=add_TH,
                             num_sms=budget, check=check)
@@ -461,6 +490,34 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
     meta = {**send_meta, **recv_meta, **send_tile, **sum_tile, "FLAGS": flags}
     launch(_combine_fused_kernel, work=work, device=bufs.device, budget=budget, resident=True, args=args, meta=meta,
            warps=warps)
+    if check:
+        check_status(ws, bufs.rank, "combine")
+    return out
+
+
+def overlap_sum_sms(budget: int) -> int:
+    """SMs of an SM budget that the per-token sum takes beside the Gluon send (the rest send)."""
+    return min(budget - 1, max(1, round(budget * OVERLAP_SUM_SHARE)))
+
+
+def _overlapped_combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers,
+                        ws: Workspace, out_dtype: torch.dtype, add_TH: torch.Tensor | None, budget: int,
+                        check: bool) -> torch.Tensor:
+    """A push combine on Hopper under an SM budget: the Gluon send on ``budget -
+    overlap_sum_sms(budget)`` SMs flags each half block of rows it stores, and the per-token sum,
+    on a side stream on the other SMs, adds each block of tokens once the rows it needs are
+    flagged: the sum runs while the rows arrive instead of after the last one. (The send is
+    launched first and never waits, so the sum's spinning programs cannot keep it off the SMs.)"""
+    out = _out(handle, cfg, out_dtype, add_TH, bufs.device)  # on the caller's stream, which joins below
+    main = torch.cuda.current_stream(bufs.device)
+    side = side_stream(bufs.device)
+    side.wait_stream(main)  # the inputs are ready
+    sum_sms = overlap_sum_sms(budget)
+    _check_y(cfg, y_MH, bufs.device)
+    _send_sm90(cfg, y_MH, handle, bufs, ws, budget - sum_sms, flags=True)
+    with torch.cuda.stream(side):
+        _launch_recv(cfg, handle, bufs, ws, out, add_TH, sum_sms, flags=True)
+    main.wait_stream(side)
     if check:
         check_status(ws, bufs.rank, "combine")
     return out

@@ -15,13 +15,16 @@ there or not (on 2 ranks ~4 of 8 are empty, on 4 ranks ~6). Here each live slot 
 copy and nothing else. Per program (one per SM), in two halves, each with its own ring of
 ``STAGES`` entries in shared memory:
 
-- a producer warp walks the received rows of its half of every block (the Triton send's blocks,
-  sources interleaved; rows r of a block with r % PARTS == its half) and, for each row, chunk of
-  up to ``BOX_ROWS x BOX_W`` channels and live slot, copies that chunk of the expert row into the
-  next ring entry by one TMA bulk copy, with the slot's weight and whether it ends the row's
-  chunk beside it (empty slots cost no copy and no entry);
+- a producer warp walks every other block of the program's blocks (the Triton send's blocks,
+  sources interleaved; half 0 the program's first, third, ... block, half 1 the others) and, for
+  each row, chunk of up to ``BOX_ROWS x BOX_W`` channels and live slot, copies that chunk of the
+  expert row into the next ring entry by one TMA bulk copy, with the slot's weight and whether
+  it ends the row's chunk beside it (empty slots cost no copy and no entry);
 - a consumer warpgroup takes its ring's entries in the same order, adds ``w * row`` into an fp32
-  chunk and stores the chunk to the source once its last slot is in.
+  chunk and stores the chunk to the source once its last slot is in; with ``FLAGS`` it then
+  flags its blocks on their sources (``ready[me, row // FLAG_ROWS] = epoch + 1``, one fence per
+  ``FLAG_EVERY`` blocks), so the source's per-token sum can run beside the sends
+  (:func:`ray_ep.kernels.combine.combine_fused`).
 
 Each producer keeps the next block's metadata (slots' experts, ordinals, weights) in flight
 while it copies this block's rows, so no copy waits for a metadata round trip. Steps, one H200,
@@ -52,9 +55,13 @@ from ._util import interpreted, num_sms as sm_count, tma_addressable
 _peer_bases = gluon.jit(peer_bases.fn)
 _last_program_done = gluon.jit(last_program_done.fn)
 
+BLOCK_ROWS = 8  # received rows per block (the Triton send's blocks under a budget)
 PARTS = 2  # halves of a program (a producer warp and a consumer warpgroup each): one producer was the bound
 STAGES = 6  # ring entries per consumer, a chunk each: 12 x 16 KB of shared memory in flight per SM
 BOX_ROWS = 32  # a chunk is BOX_ROWS x BOX_W channels: 8192 bf16 channels, 16 KB (deepseek-v3's 7168 in one)
+# rows per readiness flag with ``flags``: a part's rows of a block, flagged by one release once stored
+FLAG_ROWS = BLOCK_ROWS
+FLAG_EVERY = 8  # blocks a consumer stores between two releases of their flags (one fence each)
 CONSUMER_WARPS = 4  # per consumer partition
 CONSUMER_REGS = 160
 PRODUCER_REGS = 192  # the block's slots and weights, replicated in every lane of the warp
@@ -125,8 +132,8 @@ def _block_meta(meta_ptr, b, blocks, counts, rank, R, N, idx, K: gl.constexpr, R
 @gluon.jit
 def _producer(y_desc, meta_ptr, src_offsets_ptr, recv_counts_ptr, rank, R, L, N, bufs, full, empty, info_w,
               info_last, meta: gl.constexpr):
-    """Fills consumer PART's ring of STAGES entries: per block, row r with r % PARTS == PART,
-    chunk and live slot one bulk copy (in that consumer's order)."""
+    """Fills consumer PART's ring of STAGES entries: per block of its part (the program's blocks
+    PART, PART + PARTS, ...), each row, chunk and live slot one bulk copy (in that consumer's order)."""
     K: gl.constexpr = meta[0]
     R_PAD: gl.constexpr = meta[1]
     BJ: gl.constexpr = meta[2]
@@ -136,7 +143,8 @@ def _producer(y_desc, meta_ptr, src_offsets_ptr, recv_counts_ptr, rank, R, L, N,
     PARTS: gl.constexpr = meta[7]
     PART: gl.constexpr = meta[8]
     pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
+    first_b = pid + PART * gl.num_programs(0)  # this part's first block, then every PARTS-th of the program's
+    step = PARTS * gl.num_programs(0)
     # the next blocks' metadata, two lanes' worth per lane; the block being copied, in every lane
     spread: gl.constexpr = gl.BlockedLayout([(BJ * K + 31) // 32], [32], [1], [0])
     rep: gl.constexpr = gl.BlockedLayout([BJ * K], [32], [1], [0])
@@ -146,23 +154,23 @@ def _producer(y_desc, meta_ptr, src_offsets_ptr, recv_counts_ptr, rank, R, L, N,
     i = 0  # entries handed to the consumer so far
     nbytes: gl.constexpr = y_desc.block_type.nbytes
     counts, blocks = _sources(recv_counts_ptr, rank, R, R_PAD, BJ)
-    # prologue: block pid's positions, block pid + nprog's metadata in flight
-    src, ids, ords, w = _block_meta(meta_ptr, pid, blocks, counts, rank, R, N, idx, K, R_PAD, BJ)
+    # prologue: the first block's positions, the next one's metadata in flight
+    src, ids, ords, w = _block_meta(meta_ptr, first_b, blocks, counts, rank, R, N, idx, K, R_PAD, BJ)
     e = ids - rank * L
     here = (ids >= 0) & (e >= 0) & (e < L)
     pos = gl.where(here, gl.load(src_offsets_ptr + src * L + e, mask=here, other=0) + ords, -1)  # -1: no copy
-    src_n, ids_n, ords_n, w_n = _block_meta(meta_ptr, pid + nprog, blocks, counts, rank, R, N, idx, K, R_PAD, BJ)
-    for b in range(pid, blocks, nprog):
+    src_n, ids_n, ords_n, w_n = _block_meta(meta_ptr, first_b + step, blocks, counts, rank, R, N, idx, K, R_PAD, BJ)
+    for b in range(first_b, blocks, step):
         src, first, n_src = _block(b, counts, rank, R, R_PAD, BJ)
         # the next block's positions and the one after's metadata, read while this block copies
         e_n = ids_n - rank * L
         here_n = (ids_n >= 0) & (e_n >= 0) & (e_n < L)
         offs_n = gl.load(src_offsets_ptr + src_n * L + e_n, mask=here_n, other=0)
-        src_nn, ids_nn, ords_nn, w_nn = _block_meta(meta_ptr, b + 2 * nprog, blocks, counts, rank, R, N, idx, K,
+        src_nn, ids_nn, ords_nn, w_nn = _block_meta(meta_ptr, b + 2 * step, blocks, counts, rank, R, N, idx, K,
                                                     R_PAD, BJ)
         pos_r = gl.convert_layout(pos, rep)
         w_r = gl.convert_layout(w, rep)
-        for r in gl.static_range(PART, BJ, PARTS):
+        for r in gl.static_range(BJ):
             if first + r < n_src:
                 n_live = gl.sum(gl.where((idx_rep // K == r) & (pos_r >= 0), 1, 0), axis=0)
                 for c in range(CHUNKS):
@@ -193,10 +201,30 @@ def _producer(y_desc, meta_ptr, src_offsets_ptr, recv_counts_ptr, rank, R, L, N,
 
 
 @gluon.jit
-def _consumer(peer_bases_ptr, recv_counts_ptr, off_x, rank, R, N, H, bufs, full, empty, info_w, info_last,
-              meta: gl.constexpr):
-    """Sums the chunks of rows PART, PART + PARTS, ... of each block from its ring and stores
-    them to the row's source."""
+def _flag_parts(peer_bases_ptr, off_ready, epoch, b, n, counts, rank, R, N, meta: gl.constexpr):
+    """Flags the last ``n`` blocks this consumer stored (b, b - PARTS * nprog, ...) on their
+    sources: one fence for all of them (a fence waits until the stores before it are done, ~3 us
+    over NVLink: one per block slowed the send by half)."""
+    R_PAD: gl.constexpr = meta[1]
+    BJ: gl.constexpr = meta[2]
+    PARTS: gl.constexpr = meta[7]
+    FLAG_EVERY: gl.constexpr = meta[10]
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    k = gl.arange(0, FLAG_EVERY, layout=vec)
+    bk = b - k * PARTS * gl.num_programs(0)
+    src, first, n_src = _block(bk, counts, rank, R, R_PAD, BJ)
+    ok = (k < n) & (first < n_src)
+    base = gl.load(peer_bases_ptr + src, mask=ok, other=0)
+    flag = (base + off_ready).to(gl.pointer_type(gl.int64)) + rank * N + first // BJ
+    gl.thread_barrier()  # every warp's stores precede the release
+    gl.atomic_xchg(flag, gl.zeros([FLAG_EVERY], gl.int64, vec) + epoch + 1, mask=ok, sem="release", scope="sys")
+
+
+@gluon.jit
+def _consumer(peer_bases_ptr, recv_counts_ptr, off_x, off_ready, epoch, rank, R, N, H, bufs, full, empty, info_w,
+              info_last, meta: gl.constexpr):
+    """Sums the chunks of the rows of its part's blocks from its ring and stores them to the
+    row's source; FLAGS: then flags each block there (``ready[rank, row // BJ] = epoch + 1``)."""
     R_PAD: gl.constexpr = meta[1]
     BJ: gl.constexpr = meta[2]
     STAGES: gl.constexpr = meta[3]
@@ -205,17 +233,20 @@ def _consumer(peer_bases_ptr, recv_counts_ptr, off_x, rank, R, N, H, bufs, full,
     BOX_W: gl.constexpr = meta[6]
     PARTS: gl.constexpr = meta[7]
     PART: gl.constexpr = meta[8]
+    FLAGS: gl.constexpr = meta[9]
+    FLAG_EVERY: gl.constexpr = meta[10]
     NW: gl.constexpr = gl.num_warps()
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # 16 bytes a thread, rows of the box
     one: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
+    first_b = gl.program_id(0) + PART * gl.num_programs(0)
+    step = PARTS * gl.num_programs(0)
     counts, blocks = _sources(recv_counts_ptr, rank, R, R_PAD, BJ)
     bases = _peer_bases(peer_bases_ptr, R, R_PAD)
     cols = (gl.arange(0, BOX_ROWS, layout=gl.SliceLayout(1, tile))[:, None] * BOX_W
             + gl.arange(0, BOX_W, layout=gl.SliceLayout(0, tile))[None, :])
     i = 0
-    for b in range(pid, blocks, nprog):
+    done = 0  # blocks this program has stored
+    for b in range(first_b, blocks, step):
         src, first, n_src = _block(b, counts, rank, R, R_PAD, BJ)
         base = bases[0]
         for d in gl.static_range(1, R_PAD):
@@ -223,7 +254,7 @@ def _consumer(peer_bases_ptr, recv_counts_ptr, off_x, rank, R, N, H, bufs, full,
         # blocks and their sub-buffers are 128 B aligned, H a multiple of 64: 16-byte stores
         rows = gl.multiple_of((base + off_x).to(gl.pointer_type(gl.bfloat16)), 16) + (rank * N + first).to(gl.int64) * H
         n_rows = gl.where(n_src - first < BJ, n_src - first, BJ)
-        for r in range(PART, n_rows, PARTS):
+        for r in range(n_rows):
             for c in range(CHUNKS):
                 acc = gl.zeros([BOX_ROWS, BOX_W], gl.float32, tile)
                 last = 0
@@ -240,14 +271,20 @@ def _consumer(peer_bases_ptr, recv_counts_ptr, off_x, rank, R, N, H, bufs, full,
                     i += 1
                 ch = c * (BOX_ROWS * BOX_W) + cols
                 gl.store(rows + r * H + ch, acc.to(gl.bfloat16), mask=ch < H)
+        done += 1
+        if FLAGS:
+            if (done % FLAG_EVERY == 0) | (b + step >= blocks):
+                _flag_parts(peer_bases_ptr, off_ready, epoch, b, (done - 1) % FLAG_EVERY + 1, counts, rank, R, N,
+                            meta)
 
 
 @gluon.jit
 def _combine_send_sm90_kernel(y_desc, meta_ptr, src_offsets_ptr, recv_counts_ptr, peer_bases_ptr, epochs_ptr,
-                              send_counter_ptr, off_x, off_signal, rank, R, L, N, H, K: gl.constexpr,
+                              send_counter_ptr, off_x, off_signal, off_ready, rank, R, L, N, H, K: gl.constexpr,
                               R_PAD: gl.constexpr, BJ: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr,
                               BOX_ROWS: gl.constexpr, BOX_W: gl.constexpr, PARTS: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FLAGS: gl.constexpr,
+                              FLAG_EVERY: gl.constexpr):
     epoch = gl.load(epochs_ptr)
     # a ring of STAGES entries per consumer
     bufs = gl.allocate_shared_memory(gl.bfloat16, [PARTS * STAGES, 1, BOX_ROWS, BOX_W], y_desc.layout)
@@ -259,9 +296,10 @@ def _combine_send_sm90_kernel(y_desc, meta_ptr, src_offsets_ptr, recv_counts_ptr
     for s in gl.static_range(PARTS * STAGES):
         mbarrier.init(full.index(s), count=1)  # the producer's expect (or arrive)
         mbarrier.init(empty.index(s), count=1)  # the consumers' arrive
-    meta0: gl.constexpr = (K, R_PAD, BJ, STAGES, CHUNKS, BOX_ROWS, BOX_W, PARTS, 0)
-    meta1: gl.constexpr = (K, R_PAD, BJ, STAGES, CHUNKS, BOX_ROWS, BOX_W, PARTS, 1)
-    consumer = (peer_bases_ptr, recv_counts_ptr, off_x, rank, R, N, H, bufs, full, empty, info_w, info_last)
+    meta0: gl.constexpr = (K, R_PAD, BJ, STAGES, CHUNKS, BOX_ROWS, BOX_W, PARTS, 0, FLAGS, FLAG_EVERY)
+    meta1: gl.constexpr = (K, R_PAD, BJ, STAGES, CHUNKS, BOX_ROWS, BOX_W, PARTS, 1, FLAGS, FLAG_EVERY)
+    consumer = (peer_bases_ptr, recv_counts_ptr, off_x, off_ready, epoch, rank, R, N, H, bufs, full, empty, info_w,
+                info_last)
     producer = (y_desc, meta_ptr, src_offsets_ptr, recv_counts_ptr, rank, R, L, N, bufs, full, empty, info_w, info_last)
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(PARTS == 2)  # a producer warp per consumer: one warp issues the copies of one consumer's rows
@@ -277,9 +315,10 @@ def _combine_send_sm90_kernel(y_desc, meta_ptr, src_offsets_ptr, recv_counts_ptr
         gl.atomic_xchg(sig, gl.zeros([R_PAD], gl.int64, vec) + epoch + 1, mask=d < R, sem="release", scope="sys")
 
 
-def send_args(cfg, y_MH: torch.Tensor) -> tuple[dict, dict]:
-    """The kernel's descriptor and constexprs for ``y_MH`` (:func:`usable` true): the caller
-    adds the handle's and buffers' arguments."""
+def send_args(cfg, y_MH: torch.Tensor, flags: bool = False) -> tuple[dict, dict]:
+    """The kernel's descriptor and constexprs for ``y_MH`` (:func:`usable` true; ``flags``: each
+    part of a block of rows flagged once stored, see :data:`FLAG_ROWS`): the caller adds the
+    handle's and buffers' arguments."""
     H = cfg.hidden_size
     box_w = box_width(H)
     box_rows = min(BOX_ROWS, triton.next_power_of_2(H // box_w))
@@ -289,7 +328,8 @@ def send_args(cfg, y_MH: torch.Tensor) -> tuple[dict, dict]:
     block = [1, box_rows, box_w]
     desc = TensorDescriptor.from_tensor(y3, block, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16,
                                                                         rank=3))
-    meta = dict(K=cfg.top_k, R_PAD=triton.next_power_of_2(cfg.world_size), BJ=8, STAGES=STAGES,
+    meta = dict(K=cfg.top_k, R_PAD=triton.next_power_of_2(cfg.world_size), BJ=BLOCK_ROWS, STAGES=STAGES,
                 CHUNKS=triton.cdiv(H, box_rows * box_w), BOX_ROWS=box_rows, BOX_W=box_w, PARTS=PARTS,
-                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
+                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, FLAGS=flags,
+                FLAG_EVERY=FLAG_EVERY)
     return dict(y_desc=desc), meta
