@@ -412,7 +412,7 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
 def _send_sm90(cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers, ws: Workspace,
                budget: int, flags: bool) -> None:
     """The Gluon send of :mod:`ray_ep.kernels.combine_sm90` on ``budget`` SMs (``flags``: each
-    half block of rows flagged to its source once stored, for a sum beside it)."""
+    block of rows flagged to its source once stored, for a sum beside it)."""
     desc, meta = sm90.send_args(cfg, y_MH, flags=flags)
     args = dict(meta_ptr=handle.meta_rows, src_offsets_ptr=handle.recv.src_offsets_RL,
                 recv_counts_ptr=handle.recv.recv_counts_R, peer_bases_ptr=bufs.combine.peer_bases_ptr,
@@ -504,7 +504,7 @@ def _overlapped_combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHa
                         ws: Workspace, out_dtype: torch.dtype, add_TH: torch.Tensor | None, budget: int,
                         check: bool) -> torch.Tensor:
     """A push combine on Hopper under an SM budget: the Gluon send on ``budget -
-    overlap_sum_sms(budget)`` SMs flags each half block of rows it stores, and the per-token sum,
+    overlap_sum_sms(budget)`` SMs flags each block of rows it stores, and the per-token sum,
     on a side stream on the other SMs, adds each block of tokens once the rows it needs are
     flagged: the sum runs while the rows arrive instead of after the last one. (The send is
     launched first and never waits, so the sum's spinning programs cannot keep it off the SMs.)"""

@@ -59,7 +59,7 @@ BLOCK_ROWS = 8  # received rows per block (the Triton send's blocks under a budg
 PARTS = 2  # halves of a program (a producer warp and a consumer warpgroup each): one producer was the bound
 STAGES = 6  # ring entries per consumer, a chunk each: 12 x 16 KB of shared memory in flight per SM
 BOX_ROWS = 32  # a chunk is BOX_ROWS x BOX_W channels: 8192 bf16 channels, 16 KB (deepseek-v3's 7168 in one)
-# rows per readiness flag with ``flags``: a part's rows of a block, flagged by one release once stored
+# rows per readiness flag with ``flags``: a block's, flagged once its consumer has stored them
 FLAG_ROWS = BLOCK_ROWS
 FLAG_EVERY = 8  # blocks a consumer stores between two releases of their flags (one fence each)
 CONSUMER_WARPS = 4  # per consumer partition
@@ -201,10 +201,10 @@ def _producer(y_desc, meta_ptr, src_offsets_ptr, recv_counts_ptr, rank, R, L, N,
 
 
 @gluon.jit
-def _flag_parts(peer_bases_ptr, off_ready, epoch, b, n, counts, rank, R, N, meta: gl.constexpr):
+def _flag_stored_blocks(peer_bases_ptr, off_ready, epoch, b, n, counts, rank, R, N, meta: gl.constexpr):
     """Flags the last ``n`` blocks this consumer stored (b, b - PARTS * nprog, ...) on their
     sources: one fence for all of them (a fence waits until the stores before it are done, ~3 us
-    over NVLink: one per block slowed the send by half)."""
+    over NVLink: one per 4 rows made the send 1.4-1.6x slower, docs/perf.md v35)."""
     R_PAD: gl.constexpr = meta[1]
     BJ: gl.constexpr = meta[2]
     PARTS: gl.constexpr = meta[7]
@@ -274,7 +274,7 @@ def _consumer(peer_bases_ptr, recv_counts_ptr, off_x, off_ready, epoch, rank, R,
         done += 1
         if FLAGS:
             if (done % FLAG_EVERY == 0) | (b + step >= blocks):
-                _flag_parts(peer_bases_ptr, off_ready, epoch, b, (done - 1) % FLAG_EVERY + 1, counts, rank, R, N,
+                _flag_stored_blocks(peer_bases_ptr, off_ready, epoch, b, (done - 1) % FLAG_EVERY + 1, counts, rank, R, N,
                             meta)
 
 
