@@ -116,16 +116,19 @@ def test_pull_combine_against_reference(cluster, dtype, num_sms, micro_batches):
     _check_against_reference(cluster, f"test/pull/{dtype}/{num_sms}/{micro_batches}", cfg, 64, seed=13)
 
 
-@pytest.mark.parametrize("dtype,num_sms", [("bf16", 8), ("fp8", 8), ("nvfp4", 8), ("bf16", 24)],
-                         ids=["bf16", "fp8", "nvfp4", "bf16-24sms"])
-def test_large_batch_under_sm_budget_against_reference(cluster, dtype, num_sms):
+@pytest.mark.parametrize("dtype,num_sms,micro_batches", [("bf16", 8, 1), ("fp8", 8, 1), ("nvfp4", 8, 1),
+                                                        ("bf16", 24, 2)],
+                         ids=["bf16", "fp8", "nvfp4", "bf16-24sms-mb2"])
+def test_large_batch_under_sm_budget_against_reference(cluster, dtype, num_sms, micro_batches):
     # above SELF_LAYOUT_MAX_T tokens a dispatch under an SM budget lays its tokens out by
     # chunks of tokens, one per program: counted in a launch on that budget, then assigned
     # inside the send block by block (bf16, fp8) or in compute_layout's second launch (nvfp4);
-    # at 24 SMs on Hopper the combine's sum runs beside its send (kernels/combine.py)
+    # at 24 SMs on Hopper the combine's sum runs beside its send on a stream of its own, here
+    # in the two-micro-batch layer, whose combines run on a side stream (kernels/combine.py)
     tokens = 2 * SELF_LAYOUT_MAX_T + 88
-    cfg = _group_cfg(cluster, "deepseek-v3", dtype, num_sms=num_sms, max_tokens_per_rank=1024)
-    _check_against_reference(cluster, f"test/budget-layout/{dtype}/{num_sms}", cfg, tokens, seed=17)
+    cfg = _group_cfg(cluster, "deepseek-v3", dtype, num_sms=num_sms, max_tokens_per_rank=1024,
+                     micro_batches=micro_batches)
+    _check_against_reference(cluster, f"test/budget-layout/{dtype}/{num_sms}/{micro_batches}", cfg, tokens, seed=17)
 
 
 # fp8 experts (e4m3 weights, one scale per 128 x 128 block; activations quantised per 128

@@ -40,16 +40,17 @@ def num_sms(device: torch.device | str) -> int:
     return _sm_count(_cuda_index(device))
 
 
-_side_streams: dict[int, torch.cuda.Stream] = {}
+_side_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device | str) -> torch.cuda.Stream:
-    """One side stream per CUDA device, made once and reused (the layer's shared experts and
-    communication, the pull combine's receive)."""
-    index = _cuda_index(torch.device(device))
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
-    return _side_streams[index]
+def side_stream(device: torch.device | str, slot: int = 0) -> torch.cuda.Stream:
+    """A side stream of a CUDA device, made once and reused: slot 0 for the layer's shared
+    experts and communication and the pull combine's receive, slot 1 for the combine's sum
+    beside its send (which the pipelined layer launches from slot 0)."""
+    key = (_cuda_index(torch.device(device)), slot)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device=key[0])
+    return _side_streams[key]
 
 
 COMM_WARPS = 4  # warps per row of a communication kernel's tile (see comm_tile)

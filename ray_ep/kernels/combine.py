@@ -510,7 +510,9 @@ def _overlapped_combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHa
     launched first and never waits, so the sum's spinning programs cannot keep it off the SMs.)"""
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)  # on the caller's stream, which joins below
     main = torch.cuda.current_stream(bufs.device)
-    side = side_stream(bufs.device)
+    # not the caller's stream (the pipelined layer combines on side stream 0): on one stream the
+    # sum would follow the send, each on part of the budget
+    side = side_stream(bufs.device, 1 if main == side_stream(bufs.device) else 0)
     side.wait_stream(main)  # the inputs are ready
     sum_sms = overlap_sum_sms(budget)
     _check_y(cfg, y_MH, bufs.device)
