@@ -1145,6 +1145,19 @@ def test_bf16_pairs_unpack_to_their_fp32_values_in_channel_order():
 
 
 # ---- the Hopper combine send (kernels/combine_sm90.py), GPU only ------------------------------
+def _dispatched_world(cfg: EPConfig, tokens: list[int], seed: int, routing: str = "uniform"):
+    """(a LocalWorld on this device, each rank's dispatch handle) after one dispatch of random
+    tokens (``tokens`` per rank) on it."""
+    world = LocalWorld.create(cfg, device)
+    xs, ids, ws = make_inputs(cfg, tokens, seed=seed, routing=routing)
+    layouts = [D.dispatch_send(cfg=cfg, x_TH=xs[r].to(device), topk_ids_TK=ids[r].to(device),
+                               topk_weights_TK=ws[r].to(device), bufs=world.bufs[r], ws=world.workspaces[r])
+               for r in range(cfg.world_size)]
+    handles = [D.dispatch_recv(cfg=cfg, layout=layouts[r], bufs=world.bufs[r], ws=world.workspaces[r],
+                               num_tokens=tokens[r]) for r in range(cfg.world_size)]
+    return world, handles
+
+
 HOPPER_SEND_CASES = [(2, 7168, "uniform"), (4, 7168, "skewed"), (2, 16384, "skewed"), (4, 192, "uniform")]
 
 
@@ -1161,14 +1174,8 @@ def test_hopper_combine_send_gives_the_triton_sends_bits(monkeypatch, R, hidden,
 
     budget = 8
     cfg = EPConfig.preset("deepseek-v3", gpus_per_node=R, hidden_size=hidden, max_tokens_per_rank=256)
-    world = LocalWorld.create(cfg, device)
     tokens = [256, 1, 0, 200][:R]
-    xs, ids, ws = make_inputs(cfg, tokens, seed=41, routing=routing)
-    layouts = [D.dispatch_send(cfg=cfg, x_TH=xs[r].to(device), topk_ids_TK=ids[r].to(device),
-                               topk_weights_TK=ws[r].to(device), bufs=world.bufs[r], ws=world.workspaces[r])
-               for r in range(R)]
-    handles = [D.dispatch_recv(cfg=cfg, layout=layouts[r], bufs=world.bufs[r], ws=world.workspaces[r],
-                               num_tokens=tokens[r]) for r in range(R)]
+    world, handles = _dispatched_world(cfg, tokens, seed=41, routing=routing)
     g = torch.Generator(device=device).manual_seed(42)
     ys = [torch.randn(cfg.max_recv_rows, hidden, device=device, generator=g).to(torch.bfloat16) for _ in range(R)]
 
@@ -1213,14 +1220,8 @@ def test_hopper_sum_beside_the_send_gives_the_serial_combines_bits(monkeypatch, 
     sum_sms = C.overlap_sum_sms(budget)
     assert 1 <= sum_sms < budget
     cfg = EPConfig.preset("deepseek-v3", gpus_per_node=R, hidden_size=hidden, max_tokens_per_rank=256)
-    world = LocalWorld.create(cfg, device)
     tokens = [256, 1, 0, 200][:R]
-    xs, ids, ws = make_inputs(cfg, tokens, seed=43, routing=routing)
-    layouts = [D.dispatch_send(cfg=cfg, x_TH=xs[r].to(device), topk_ids_TK=ids[r].to(device),
-                               topk_weights_TK=ws[r].to(device), bufs=world.bufs[r], ws=world.workspaces[r])
-               for r in range(R)]
-    handles = [D.dispatch_recv(cfg=cfg, layout=layouts[r], bufs=world.bufs[r], ws=world.workspaces[r],
-                               num_tokens=tokens[r]) for r in range(R)]
+    world, handles = _dispatched_world(cfg, tokens, seed=43, routing=routing)
     g = torch.Generator(device=device).manual_seed(44)
     ys = [torch.randn(cfg.max_recv_rows, hidden, device=device, generator=g).to(torch.bfloat16) for _ in range(R)]
     adds = [torch.randn(tokens[r], hidden, device=device, generator=g).to(torch.bfloat16) for r in range(R)]
@@ -1269,14 +1270,8 @@ def test_hopper_sum_beside_the_send_times_out_on_a_silent_rank():
     time, as the signalled sum does."""
     R, budget = 4, 8
     cfg = EPConfig.preset("deepseek-v3", gpus_per_node=R, max_tokens_per_rank=64, recv_timeout_s=TIMEOUT_S)
-    world = LocalWorld.create(cfg, device)
     tokens = [64, 40, 64, 17]
-    xs, ids, ws = make_inputs(cfg, tokens, seed=45)
-    layouts = [D.dispatch_send(cfg=cfg, x_TH=xs[r].to(device), topk_ids_TK=ids[r].to(device),
-                               topk_weights_TK=ws[r].to(device), bufs=world.bufs[r], ws=world.workspaces[r])
-               for r in range(R)]
-    handles = [D.dispatch_recv(cfg=cfg, layout=layouts[r], bufs=world.bufs[r], ws=world.workspaces[r],
-                               num_tokens=tokens[r]) for r in range(R)]
+    world, handles = _dispatched_world(cfg, tokens, seed=45)
     y = torch.randn(cfg.max_recv_rows, cfg.hidden_size, device=device).to(torch.bfloat16)
     sum_sms = C.overlap_sum_sms(budget)
     silent = 2
