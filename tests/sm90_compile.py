@@ -220,7 +220,8 @@ def combine_send_sm90_launch(hidden: int, flags: bool = False) -> tuple[dict, di
     desc, meta = sm90.send_args(cfg, torch.zeros(1024, hidden, dtype=torch.bfloat16), flags=flags)
     i32, i64 = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)
     args = dict(meta_ptr=i32, src_offsets_ptr=i32, recv_counts_ptr=i32, peer_bases_ptr=i64, epochs_ptr=i64,
-                send_counter_ptr=i32, off_x=4096, off_signal=128, off_ready=256, rank=3, R=2, L=128, N=256, H=hidden, **desc)
+                send_counter_ptr=i32, off_x=4096, off_signal=128, off_ready=256, rank=3, R=2, L=128, N=256, H=hidden,
+                **desc)
     return args, meta
 
 
@@ -484,8 +485,8 @@ def main() -> int:
             print(f"FAIL {kernel.fn.__name__}\n{traceback.format_exc()}")
     if a.fp8_experts:
         for gather, swiglu in ((False, False), (True, False), (True, True)):
-            failed += _report_gluon(f"_grouped_gemm_fp8_kernel (gluon) gather={gather}" + (", swiglu=True" if swiglu else ""),
-                                    lambda: compile_fp8_gemm_sm90(gather, swiglu))
+            what = f"_grouped_gemm_fp8_kernel (gluon) gather={gather}" + (", swiglu=True" if swiglu else "")
+            failed += _report_gluon(what, lambda: compile_fp8_gemm_sm90(gather, swiglu))
     return 1 if failed else 0
 
 

@@ -48,14 +48,14 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._sync import last_program_done, peer_bases
-from ._util import interpreted, num_sms as sm_count, tma_addressable
+from ._util import BUDGET_ROWS, interpreted, num_sms as sm_count, tma_addressable
 
 # the Triton sends' helpers, compiled as Gluon: the peer table's addresses, and the count of
 # finished programs whose last one releases the signals
 _peer_bases = gluon.jit(peer_bases.fn)
 _last_program_done = gluon.jit(last_program_done.fn)
 
-BLOCK_ROWS = 8  # received rows per block (the Triton send's blocks under a budget)
+BLOCK_ROWS = BUDGET_ROWS["combine"]  # received rows per block: the Triton send's blocks under a budget
 PARTS = 2  # halves of a program (a producer warp and a consumer warpgroup each): one producer was the bound
 STAGES = 6  # ring entries per consumer, a chunk each: 12 x 16 KB of shared memory in flight per SM
 BOX_ROWS = 32  # a chunk is BOX_ROWS x BOX_W channels: 8192 bf16 channels, 16 KB (deepseek-v3's 7168 in one)
@@ -274,8 +274,8 @@ def _consumer(peer_bases_ptr, recv_counts_ptr, off_x, off_ready, epoch, rank, R,
         done += 1
         if FLAGS:
             if (done % FLAG_EVERY == 0) | (b + step >= blocks):
-                _flag_stored_blocks(peer_bases_ptr, off_ready, epoch, b, (done - 1) % FLAG_EVERY + 1, counts, rank, R, N,
-                            meta)
+                n_new = (done - 1) % FLAG_EVERY + 1  # blocks stored since the last release
+                _flag_stored_blocks(peer_bases_ptr, off_ready, epoch, b, n_new, counts, rank, R, N, meta)
 
 
 @gluon.jit
