@@ -168,10 +168,11 @@ def wait_signals(signal_ptr, R, target, status_ptr, timeout_ns, max_spins,
 
 
 @triton.jit
-def wait_blocks(first_flag_ptrs, last_flag_ptrs, need, target, status_ptr, timeout_ns, max_spins,
+def wait_blocks(first_flag_ptrs, last_flag_ptrs, need, two, target, status_ptr, timeout_ns, max_spins,
                 R_PAD: tl.constexpr, USE_TIMER: tl.constexpr):
     """Spin until, for every rank d with ``need[d]``, both flags (the first and the last block
-    of rows about to be loaded from d) are >= target (acquire, system scope).
+    of rows about to be loaded from d; ``two[d]``: they differ, else the first is the last)
+    are >= target (acquire, system scope).
 
     Returns True when all are ready. Once any program of the launch has timed out
     (STATUS_TIMEOUT set) it returns False at once; on its own timeout it sets that bit and
@@ -180,22 +181,25 @@ def wait_blocks(first_flag_ptrs, last_flag_ptrs, need, target, status_ptr, timeo
     failed = (tl.load(status_ptr, volatile=True) & _STATUS_TIMEOUT) != 0
     # the acquiring reads go out beside the status load, not after it, and a second acquire
     # follows only a spin: one round trip when the blocks are there (as they mostly are by
-    # the time a block of tokens is summed), where there were three
+    # the time a block of tokens is summed), where there were three. The last block is read
+    # only where it is not the first: each read whose value is used is a round trip of its
+    # own (its value reaches the program's threads through shared memory, after a barrier).
+    two = need & two
     a = tl.atomic_add(first_flag_ptrs, 0, mask=need, sem="acquire", scope="sys")
-    b = tl.atomic_add(last_flag_ptrs, 0, mask=need, sem="acquire", scope="sys")
-    pending = need & (failed == 0) & ((a < target) | (b < target))
+    b = tl.atomic_add(last_flag_ptrs, 0, mask=two, sem="acquire", scope="sys")
+    pending = need & (failed == 0) & ((a < target) | (two & (b < target)))
     if tl.max(pending.to(tl.int32), axis=0) > 0:
         start = now_ns(USE_TIMER)
         spins = 0
         expired = 0
         while (tl.max(pending.to(tl.int32), axis=0) > 0) & (expired == 0):
             a = tl.load(first_flag_ptrs, mask=pending, other=0, volatile=True)
-            b = tl.load(last_flag_ptrs, mask=pending, other=0, volatile=True)
-            pending = pending & ((a < target) | (b < target))
+            b = tl.load(last_flag_ptrs, mask=pending & two, other=0, volatile=True)
+            pending = pending & ((a < target) | (two & (b < target)))
             spins += 1
             expired = _expired(start, spins, timeout_ns, max_spins, USE_TIMER)
         # acquire: the rows the peers stored before their flags are visible now
         tl.atomic_add(first_flag_ptrs, 0, mask=need & (failed == 0), sem="acquire", scope="sys")
-        tl.atomic_add(last_flag_ptrs, 0, mask=need & (failed == 0), sem="acquire", scope="sys")
+        tl.atomic_add(last_flag_ptrs, 0, mask=two & (failed == 0), sem="acquire", scope="sys")
     tl.debug_barrier()
     return _report_silent(pending, status_ptr, R_PAD) & (failed == 0)
