@@ -1204,6 +1204,32 @@ def test_hopper_combine_send_gives_the_triton_sends_bits(monkeypatch, R, hidden,
 OVERLAP_CASES = [(2, 7168, "uniform"), (4, 7168, "skewed"), (4, 192, "uniform")]
 
 
+def test_every_rank_sums_beside_the_send_or_none_does(monkeypatch):
+    """The sum beside the Gluon send waits for blocks that every rank's send flags, and the
+    other combine forms flag none: whether a fused combine takes that form depends on the
+    configuration and the device, never on the rank's own tokens (a rank of few tokens taking
+    the one-launch form left its peers waiting: 4x H200, the two-micro-batch layer at 24 SMs)."""
+    from ray_ep.kernels import combine_sm90
+
+    R = 4
+    monkeypatch.setattr(combine_sm90, "usable_for", lambda *a, **k: True)  # as on a Hopper GPU
+    taken: list[tuple[int, str]] = []
+    monkeypatch.setattr(C, "_overlapped_combine", lambda **k: taken.append((k["bufs"].rank, "beside")))
+    monkeypatch.setattr(C, "launch", lambda kernel, **k: taken.append((k["args"]["rank"], kernel.fn.__name__)))
+    sms = num_sms(device)
+    for max_tokens, beside in ((sms + 60, True), (sms, False)):  # prefill-sized, decode-sized batches
+        cfg = EPConfig.preset("tiny", gpus_per_node=R, max_tokens_per_rank=max_tokens)
+        tokens = [max_tokens, 1, 0, 3]  # more tokens than SMs on one rank only
+        world, handles = _dispatched_world(cfg, tokens, seed=46)
+        y = torch.zeros(cfg.max_recv_rows, cfg.hidden_size, dtype=torch.bfloat16, device=device)
+        taken.clear()
+        for r in range(R):
+            C.combine_fused(cfg=cfg, y_MH=y, handle=handles[r], bufs=world.bufs[r], ws=world.workspaces[r],
+                            num_sms=C.OVERLAP_MIN_SMS, check=False)
+        forms = {r: {f for q, f in taken if q == r} for r in range(R)}
+        assert all(forms[r] == ({"beside"} if beside else {"_combine_fused_kernel"}) for r in range(R)), forms
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the sum beside the Gluon send runs on Hopper GPUs only")

@@ -168,6 +168,12 @@ def wait_signals(signal_ptr, R, target, status_ptr, timeout_ns, max_spins,
 
 
 @triton.jit
+def timed_out(status_ptr):
+    """Whether a program of this launch (or of an earlier one on this rank) has timed out."""
+    return (tl.load(status_ptr, volatile=True) & _STATUS_TIMEOUT) != 0
+
+
+@triton.jit
 def wait_blocks(first_flag_ptrs, last_flag_ptrs, need, two, target, status_ptr, timeout_ns, max_spins,
                 R_PAD: tl.constexpr, USE_TIMER: tl.constexpr):
     """Spin until, for every rank d with ``need[d]``, both flags (the first and the last block
@@ -178,7 +184,7 @@ def wait_blocks(first_flag_ptrs, last_flag_ptrs, need, two, target, status_ptr, 
     (STATUS_TIMEOUT set) it returns False at once; on its own timeout it sets that bit and
     status[1 + d] for each rank still silent, as :func:`wait_signals` does.
     """
-    failed = (tl.load(status_ptr, volatile=True) & _STATUS_TIMEOUT) != 0
+    failed = timed_out(status_ptr)
     # the acquiring reads go out beside the status load, not after it, and a second acquire
     # follows only a spin: one round trip when the blocks are there (as they mostly are by
     # the time a block of tokens is summed), where there were three. The last block is read

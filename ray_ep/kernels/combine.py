@@ -12,7 +12,8 @@ every SM: each program flags its blocks of rows instead, see :func:`_flag_blocks
 GPU under an SM budget of at most half its SMs, the push send within one node is the Gluon
 kernel of :mod:`ray_ep.kernels.combine_sm90` (the same bits, a bulk copy per live slot); in the
 fused form from ``OVERLAP_MIN_SMS`` SMs on it flags each block of rows it stores, and the
-receive runs beside it on part of the budget (:func:`_overlapped_combine`).
+receive runs beside it on part of the budget (:func:`_overlapped_combine`; on every rank or
+none, see :func:`overlaps`).
 
 Receive (on the source): wait for every rank's signal (or the blocks a block of tokens sums), then
 ``out[t] = sum_d recv[d * N + token_slots[t, d]] (+ add[t])`` in fp32, cast to the output
@@ -34,9 +35,10 @@ from ..errors import EPInputError
 from ..types import DispatchHandle
 from ..validation import check_tensor
 from ._shmem import other_node, put_bytes, quiet, signal, staged
-from ._sync import at_offset, last_program_done, peer_bases, peer_ptr, release_signals, wait_blocks, wait_signals
+from ._sync import (at_offset, last_program_done, peer_bases, peer_ptr, release_signals, timed_out, wait_blocks,
+                    wait_signals)
 from ._util import (comm_tile, fused_as_two_launches, interpreted, launch, num_sms as sm_count, remote_meta,
-                    side_stream, timeouts)
+                    side_stream, timeouts, tma_addressable)
 from . import combine_sm90 as sm90
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
@@ -290,6 +292,14 @@ def _combine_recv_kernel(signal_ptr, recv_ptr, slots_ptr, add_ptr, stride_add, o
                   rank, ready_ptr, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, HAS_ADD, BT, BLOCK_HS, PULL,
                   PB, USE_TIMER, FLAGS)
     if last_program_done(recv_counter_ptr, False):
+        if FLAGS:
+            # the send beside this sum reads the same epoch when its programs start, and one
+            # that starts late (its SMs busy with other streams' work, as in the pipelined
+            # layer) must not read the next one: the epoch moves on once every rank's send is
+            # done (its last program's signal), which its flags have mostly made true by now;
+            # after a timeout the launcher raises at once (no second wait)
+            if not timed_out(status_ptr):
+                wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER)
         tl.store(epochs_ptr, epoch + 1)
 
 
@@ -495,10 +505,10 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
         return _pull_combine(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype,
                              add_TH=add_TH, num_sms=num_sms, check=check)
     budget = num_sms or cfg.num_sms
+    if overlaps(cfg, budget, bufs.device, y_MH.dtype):  # Hopper: the sum beside the Gluon send
+        return _overlapped_combine(cfg=cfg, y_MH=_tma_rows(y_MH), handle=handle, bufs=bufs, ws=ws,
+                                   out_dtype=out_dtype, add_TH=add_TH, budget=budget, check=check)
     if fused_as_two_launches(budget, handle.num_tokens, bufs.device):
-        if budget >= OVERLAP_MIN_SMS and sm90.usable(cfg, y_MH, budget):  # Hopper: the sum beside the Gluon send
-            return _overlapped_combine(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype,
-                                       add_TH=add_TH, budget=budget, check=check)
         combine_send(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, num_sms=budget)
         return combine_recv(cfg=cfg, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype, add_TH=add_TH,
                             num_sms=budget, check=check)
@@ -520,6 +530,25 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
     if check:
         check_status(ws, bufs.rank, "combine")
     return out
+
+
+def overlaps(cfg: EPConfig, budget: int | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a fused combine runs its sum beside the Gluon send (:func:`_overlapped_combine`).
+    Decided from the configuration and the device alone, never from this rank's tokens: each
+    rank's sum waits for the blocks flagged by every rank's send, and the other forms flag none
+    (a rank with few tokens taking the one-launch form would leave its peers waiting). ``dtype``:
+    the expert rows', the same on every rank."""
+    return (bool(budget) and budget >= OVERLAP_MIN_SMS
+            and fused_as_two_launches(budget, cfg.max_tokens_per_rank, device)
+            and sm90.usable_for(cfg, budget, device, dtype))
+
+
+def _tma_rows(y_MH: torch.Tensor) -> torch.Tensor:
+    """``y_MH``, or an aligned copy where bulk copies cannot address it (a view): every rank
+    sends by the Gluon send once :func:`overlaps` holds."""
+    if tma_addressable(y_MH):
+        return y_MH
+    return torch.empty(y_MH.shape, dtype=y_MH.dtype, device=y_MH.device).copy_(y_MH)
 
 
 def overlap_sum_sms(budget: int) -> int:

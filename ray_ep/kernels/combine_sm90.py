@@ -77,12 +77,17 @@ def usable(cfg, y_MH: torch.Tensor, budget: int | None) -> bool:
     and bf16 on the wire, on a Hopper GPU under an SM budget of at most half its SMs (with more,
     the Triton send's many resident programs are faster: one H200, 2 ranks' rows, every SM
     287 us against this send's 308)."""
-    if not budget or interpreted() or y_MH.device.type != "cuda":
+    return usable_for(cfg, budget, y_MH.device, y_MH.dtype) and tma_addressable(y_MH)
+
+
+def usable_for(cfg, budget: int | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """:func:`usable` for any expert rows of ``dtype`` on ``device`` that TMA can address."""
+    if not budget or interpreted() or torch.device(device).type != "cuda":
         return False
-    if torch.cuda.get_device_capability(y_MH.device)[0] != 9 or 2 * budget > sm_count(y_MH.device):
+    if torch.cuda.get_device_capability(device)[0] != 9 or 2 * budget > sm_count(device):
         return False
     return (cfg.combine_mode == "push" and cfg.n_nodes == 1 and cfg.combine_dtype == "bf16"
-            and y_MH.dtype == torch.bfloat16 and box_width(cfg.hidden_size) > 0 and tma_addressable(y_MH))
+            and dtype == torch.bfloat16 and box_width(cfg.hidden_size) > 0)
 
 
 @gluon.jit
