@@ -45,8 +45,8 @@ _side_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 def side_stream(device: torch.device | str, slot: int = 0) -> torch.cuda.Stream:
     """A side stream of a CUDA device, made once and reused: slot 0 for the layer's shared
-    experts and communication and the pull combine's receive, slot 1 for the combine's sum
-    beside its send (which the pipelined layer launches from slot 0)."""
+    experts and communication and a combine's receive beside its send, slot 1 for that receive
+    when the caller is on slot 0 (the pipelined layer's combines)."""
     key = (_cuda_index(torch.device(device)), slot)
     if key not in _side_streams:
         _side_streams[key] = torch.cuda.Stream(device=key[0])

@@ -26,6 +26,8 @@ of its experts with outputs y1, y2 and weights 0.5, 0.25): rank 1 sends
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -506,8 +508,8 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
                              add_TH=add_TH, num_sms=num_sms, check=check)
     budget = num_sms or cfg.num_sms
     if overlaps(cfg, budget, bufs.device, y_MH.dtype):  # Hopper: the sum beside the Gluon send
-        return _overlapped_combine(cfg=cfg, y_MH=_tma_rows(y_MH), handle=handle, bufs=bufs, ws=ws,
-                                   out_dtype=out_dtype, add_TH=add_TH, budget=budget, check=check)
+        return _overlapped_combine(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype,
+                                   add_TH=add_TH, budget=budget, check=check)
     if fused_as_two_launches(budget, handle.num_tokens, bufs.device):
         combine_send(cfg=cfg, y_MH=y_MH, handle=handle, bufs=bufs, ws=ws, num_sms=budget)
         return combine_recv(cfg=cfg, handle=handle, bufs=bufs, ws=ws, out_dtype=out_dtype, add_TH=add_TH,
@@ -564,21 +566,29 @@ def _overlapped_combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHa
     on a side stream on the other SMs, adds each block of tokens once the rows it needs are
     flagged: the sum runs while the rows arrive instead of after the last one. (The send is
     launched first and never waits, so the sum's spinning programs cannot keep it off the SMs.)"""
-    out = _out(handle, cfg, out_dtype, add_TH, bufs.device)  # on the caller's stream, which joins below
-    main = torch.cuda.current_stream(bufs.device)
-    # not the caller's stream (the pipelined layer combines on side stream 0): on one stream the
-    # sum would follow the send, each on part of the budget
-    side = side_stream(bufs.device, 1 if main == side_stream(bufs.device) else 0)
-    side.wait_stream(main)  # the inputs are ready
-    sum_sms = overlap_sum_sms(budget)
     _check_y(cfg, y_MH, bufs.device)
-    _send_sm90(cfg, y_MH, handle, bufs, ws, budget - sum_sms, flags=True)
-    with torch.cuda.stream(side):
-        _launch_recv(cfg, handle, bufs, ws, out, add_TH, sum_sms, flags=True)
-    main.wait_stream(side)
+    y_MH = _tma_rows(y_MH)
+    out = _out(handle, cfg, out_dtype, add_TH, bufs.device)  # on the caller's stream, which joins below
+    sum_sms = overlap_sum_sms(budget)
+    _beside(bufs.device, lambda: _send_sm90(cfg, y_MH, handle, bufs, ws, budget - sum_sms, flags=True),
+            lambda: _launch_recv(cfg, handle, bufs, ws, out, add_TH, sum_sms, flags=True))
     if check:
         check_status(ws, bufs.rank, "combine")
     return out
+
+
+def _beside(device: torch.device, send: Callable[[], None], receive: Callable[[], None]) -> None:
+    """Launch ``send`` on the caller's stream and ``receive`` beside it on a side stream, both
+    after the caller's work so far; the caller's stream then waits for the receive. The side
+    stream is never the caller's (the pipelined layer combines on side stream 0): on one stream
+    the receive would follow the send, each on part of the budget."""
+    main = torch.cuda.current_stream(device)
+    side = side_stream(device, 1 if main == side_stream(device) else 0)
+    side.wait_stream(main)  # the inputs are ready
+    send()
+    with torch.cuda.stream(side):
+        receive()
+    main.wait_stream(side)
 
 
 def _pull_combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: SymmetricBuffers,
@@ -596,13 +606,9 @@ def _pull_combine(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
         combine_send(y_MH=y_MH, num_sms=num_sms, **common)
         return combine_recv(out_dtype=out_dtype, add_TH=add_TH, num_sms=num_sms, check=check, **common)
     out = _out(handle, cfg, out_dtype, add_TH, bufs.device)  # on the caller's stream, which joins below
-    main = torch.cuda.current_stream(bufs.device)
-    side = side_stream(bufs.device)
-    side.wait_stream(main)  # the inputs are ready
-    combine_send(y_MH=y_MH, num_sms=num_sms, **common)
-    with torch.cuda.stream(side):
-        combine_recv(out_dtype=out_dtype, add_TH=add_TH, num_sms=num_sms, check=False, out=out, **common)
-    main.wait_stream(side)
+    _beside(bufs.device, lambda: combine_send(y_MH=y_MH, num_sms=num_sms, **common),
+            lambda: combine_recv(out_dtype=out_dtype, add_TH=add_TH, num_sms=num_sms, check=False, out=out,
+                                 **common))
     if check:
         check_status(ws, bufs.rank, "combine")
     return out

@@ -322,7 +322,7 @@ def _combine_send_sm90_kernel(y_desc, meta_ptr, src_offsets_ptr, recv_counts_ptr
 
 def send_args(cfg, y_MH: torch.Tensor, flags: bool = False) -> tuple[dict, dict]:
     """The kernel's descriptor and constexprs for ``y_MH`` (:func:`usable` true; ``flags``: each
-    part of a block of rows flagged once stored, see :data:`FLAG_ROWS`): the caller adds the
+    block of rows flagged once stored, see :data:`FLAG_ROWS`): the caller adds the
     handle's and buffers' arguments."""
     H = cfg.hidden_size
     box_w = box_width(H)
