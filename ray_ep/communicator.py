@@ -424,23 +424,25 @@ class EPCommunicator:
         side stream beside the dispatch, and the dispatch's error (timeout, overflow) is raised
         once the routed experts are launched, before the combine. ``micro_batches`` (default:
         the config's) > 1 overlaps one micro-batch's communication with another's experts
-        (:mod:`ray_ep.pipeline`; the same output). ``cuda_graph`` (GPUs): the layer is captured
-        once per token bucket and replayed (:mod:`ray_ep.graphs`; the same output)."""
+        (:mod:`ray_ep.pipeline`; the same output). ``cuda_graph`` (GPUs): the layer, micro-batched
+        or not, is captured once per token bucket and replayed (:mod:`ray_ep.graphs`; the same
+        output, and no launch from the host: a micro-batched layer launched from Python waits
+        on the host, whose launches take longer than its kernels)."""
         x, ids, w = self.prepare_inputs(x_TH, topk_ids_TK, topk_weights_TK, validate)
         if cuda_graph:
             if self.device.type != "cuda":
                 raise EPConfigError(f"rank {self.rank}: cuda_graph needs a CUDA device, this rank has {self.device}")
-            if (micro_batches or self.config.micro_batches) > 1:
-                raise EPConfigError("cuda_graph does not capture micro-batched layers yet: use micro_batches=1 "
-                                    "with cuda_graph=True")
             od = self._out_dtype(out_dtype)
+            n = micro_batches or self.config.micro_batches
+            # a micro-batched layer's receives are its micro-batches' (checked after each replay)
+            used = [c.transport(backend) for c in self.micro_batch_communicators(n)] if n > 1 else None
 
             def layer(xg, idsg, wg):
                 return self.moe(xg, idsg, wg, experts, out_dtype=od, fused=fused, validate=False, backend=backend,
-                                micro_batches=micro_batches)
+                                micro_batches=n)
 
-            key = (id(experts), od, fused, backend, micro_batches)
-            return self.graphs(backend).moe(key, layer, x, ids, w, keep=experts)
+            key = (id(experts), od, fused, backend, n)
+            return self.graphs(backend).moe(key, layer, x, ids, w, keep=experts, transports=used)
         n = micro_batches or self.config.micro_batches
         if n > 1:
             parts = self.micro_batch_communicators(n)

@@ -12,13 +12,15 @@ the allocator's pool) and returns that result, then captures the graph, which ru
 until the next call replays it.
 
 Errors keep working under replay: the receive kernels flag a silent peer or an overflow on the
-device, and :meth:`LayerGraphs.moe` checks the flags after each replay (one host sync).
+device, and :meth:`LayerGraphs.moe` checks the flags after each replay (one host sync), on
+every transport the layer uses (a micro-batched layer has one per micro-batch).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -43,6 +45,7 @@ class _Captured:
     w: torch.Tensor
     out: torch.Tensor
     keep: object  # what the key names (e.g. the experts): alive as long as the graph reads it
+    transports: Sequence[Transport]  # whose receives the replay flags (checked after it)
 
 
 class LayerGraphs:
@@ -59,9 +62,10 @@ class LayerGraphs:
 
     def moe(self, key: Hashable, layer_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
             x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-            keep: object = None) -> torch.Tensor:
+            keep: object = None, transports: Sequence[Transport] | None = None) -> torch.Tensor:
         """One layer for T tokens through the graph of (key, bucket(T)); out [T, H] (a new tensor).
-        ``keep``: an object the graph reads through raw pointers (the experts), held with it."""
+        ``keep``: an object the graph reads through raw pointers (the experts), held with it.
+        ``transports``: those the layer uses, if not only this one's (a micro-batched layer's)."""
         T = x_TH.shape[0]
         if T > self.max_tokens:  # checked here too: callers skip validation (validate=False) in hot loops
             raise EPInputError(f"{T} tokens exceed max_tokens_per_rank = {self.max_tokens}, the largest token "
@@ -79,16 +83,20 @@ class LayerGraphs:
             out = layer_fn(x, ids, w)[:T].clone()  # this call's round, eager: compiles, warms the pool
             torch.cuda.synchronize(x.device)
             graph = torch.cuda.CUDAGraph()
-            with self.transport.deferred_checks():  # no host sync may happen inside the capture
+            used = list(transports) if transports else [self.transport]
+            with contextlib.ExitStack() as deferred:  # no host sync may happen inside the capture
+                for t in used:
+                    deferred.enter_context(t.deferred_checks())
                 with torch.cuda.graph(graph):
                     captured_out = layer_fn(x, ids, w)
-            self._graphs[full] = _Captured(graph, x, ids, w, captured_out, keep)
+            self._graphs[full] = _Captured(graph, x, ids, w, captured_out, keep, used)
             self.captures += 1
             return out
         self._fill(c.x, c.ids, c.w, x_TH, topk_ids_TK, topk_weights_TK)
         c.graph.replay()
         self.replays += 1
-        self.transport.check_status()  # a timeout or overflow the replay flagged on the device
+        for t in c.transports:
+            t.check_status()  # a timeout or overflow the replay flagged on the device
         return c.out[:T].clone()
 
     @staticmethod

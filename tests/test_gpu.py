@@ -340,9 +340,11 @@ def test_cuda_graph_replay_with_a_silent_peer_times_out(cluster):
         cluster.call_workers("drop_group", name)
 
 
-def _graph_layers(worker, group: str, counts: list[int], dtype_seed: int) -> dict:
+def _graph_layers(worker, group: str, counts: list[int], dtype_seed: int, micro_batches: int = 1) -> dict:
     """The same layers eagerly and from CUDA graphs (captured per token bucket: the first call of
-    a bucket runs eagerly and captures, later ones replay), token counts changing every call."""
+    a bucket runs eagerly and captures, later ones replay), token counts changing every call;
+    ``micro_batches`` > 1: the graphs capture the micro-batched layer (the eager one stays
+    serial, whose output it must give)."""
     from ray_ep.inputs import rank_inputs
 
     g = worker.group_state(group)
@@ -353,24 +355,26 @@ def _graph_layers(worker, group: str, counts: list[int], dtype_seed: int) -> dic
         x, ids, w = rank_inputs(g.cfg, n, worker.rank, dtype_seed + i, ("uniform", "skewed")[i % 2],
                                 device=worker.device)
         eager = worker.moe(x, ids, w, group=group, validate=False)
-        graph = worker.moe(x, ids, w, group=group, validate=False, cuda_graph=True)
+        graph = worker.moe(x, ids, w, group=group, validate=False, cuda_graph=True, micro_batches=micro_batches)
         if n:
             worst = max(worst, ((graph.float() - eager.float()).abs().max()
                                 / eager.float().abs().max().clamp_min(1e-6)).item())
     return {"max_rel_diff": worst, **g.comm.graphs().stats()}
 
 
-@pytest.mark.parametrize("dtype,expert_dtype", [("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8")])
-def test_layer_from_cuda_graphs_equals_eager(cluster, dtype, expert_dtype):
+@pytest.mark.parametrize("dtype,expert_dtype,micro_batches", [("bf16", "bf16", 1), ("fp8", "bf16", 1),
+                                                              ("fp8", "fp8", 1), ("fp8", "fp8", 2)])
+def test_layer_from_cuda_graphs_equals_eager(cluster, dtype, expert_dtype, micro_batches):
     # fp8 experts: the routed and the shared expert's fp8 GEMMs captured too (buckets of more
-    # than 64 rows take the Hopper kernel with the SwiGLU in its epilogue)
+    # than 64 rows take the Hopper kernel with the SwiGLU in its epilogue); micro_batches 2: the
+    # pipelined layer's two streams and per-micro-batch transports in one graph
     if cluster.config.n_nodes > 1:
         pytest.skip("graph capture is checked on one node (NVLink stores)")
-    name = f"test/graph-layer/{dtype}-{expert_dtype}"
+    name = f"test/graph-layer/{dtype}-{expert_dtype}-mb{micro_batches}"
     cluster.call_workers("add_group", name, _group_cfg(cluster, "deepseek-v3", dtype, expert_dtype=expert_dtype))
     try:
         counts = [5, 7, 0, 64, 33, 8, 256, 1, 60, 200] * 2  # buckets 8, 1, 64, 256 ... revisited
-        res = cluster.run(_graph_layers, name, counts, 700)
+        res = cluster.run(_graph_layers, name, counts, 700, micro_batches)
         for r in res:
             # not bitwise: the shared expert's cuBLAS GEMM over the bucket's rows may tile (and so
             # round) differently from one over the T real rows; a bf16 ulp is 2^-8 = 3.9e-3

@@ -204,7 +204,7 @@ def test_cuda_graph_is_active_only_on_gpu_workers_with_nvshmem():
     assert status(False, True, "nvshmem") == ("off", False)
     assert status(True, False, "torch") == ("off (CPU workers)", False)
     assert status(True, True, "torch", backend="torch") == ("off (backend torch; graphs need nvshmem)", False)
-    assert status(True, True, "nvshmem", micro_batches=2) == ("off (micro_batches = 2; graphs need 1)", False)
+    assert status(True, True, "nvshmem", micro_batches=2) == ("on", True)  # micro-batched layers are captured too
 
 
 def test_forward_rank_on_a_cpu_worker_runs_eager_layers():

@@ -25,6 +25,7 @@ import torch
 from ..config import FP8_GROUP, EPConfig, nvfp4_row_bytes
 from ..errors import EPInputError
 from ..fp8 import dequantize_fp8_torch, quantize_fp8_torch
+from ..graphs import LayerGraphs
 from ..nvfp4 import dequantize_nvfp4_torch, quantize_nvfp4_torch
 from ..inputs import rank_inputs
 from ..kernels._util import recorded_launches
@@ -253,13 +254,16 @@ def expert_flops(cfg: EPConfig, expert_rows: int, num_tokens: int) -> int:
 
 def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, experts, scratch, num_tokens: int,
                 routing: str, seed: int, iters: int, warmup: int, sets: int = 3,
-                micro: tuple[list[Transport], list] | None = None) -> RankTimes:
+                micro: tuple[list[Transport], list] | None = None, cuda_graph: bool = False) -> RankTimes:
     """A whole MoE layer (dispatch, grouped-GEMM experts, combine, shared experts: the layer
     :meth:`ray_ep.EPCommunicator.moe` runs, :func:`ray_ep.pipeline.moe_layer`) and, on the
     same dispatch, the experts alone (no communication: what the layer would take if
     communication were free). ``flops`` is the experts' work on the first input set.
     ``micro``: (transports, scratches) of micro-batches: the pipelined layer is timed too
-    (``layer-mb<n>``, :func:`ray_ep.pipeline.moe_micro_batched`).
+    (``layer-mb<n>``, :func:`ray_ep.pipeline.moe_micro_batched`). ``cuda_graph`` (GPUs): both
+    layers also replayed from CUDA graphs (``layer-graph``, ``layer-mb<n>-graph``:
+    :class:`ray_ep.graphs.LayerGraphs`, inputs copied in and the output out, the flags checked
+    after each replay), which the host's launches then do not hold up.
 
     Then, on the rows and weights of the last round: ``gemm``, this rank's two expert GEMMs
     (gate_up over the dispatched rows, down over the SwiGLU output) as the layer runs them;
@@ -269,6 +273,14 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"layer": [], "experts": []}
     remote = received = flops = 0
+    replayed = {}  # row -> (graphs, layer function)
+    if cuda_graph and device.type == "cuda":
+        replayed["layer-graph"] = (LayerGraphs(t, cfg.max_tokens_per_rank),
+                                   lambda a, b, c: moe_layer(t, scratch, experts, a, b, c, torch.bfloat16)[0])
+        if micro is not None:
+            replayed[f"layer-mb{len(micro[0])}-graph"] = (
+                LayerGraphs(micro[0][0], cfg.max_tokens_per_rank),
+                lambda a, b, c: moe_micro_batched(micro[0], micro[1], experts, a, b, c, torch.bfloat16))
     with contextlib.ExitStack() as deferred:  # no host sync inside the timed regions
         for tr in [t, *(micro[0] if micro else [])]:
             deferred.enter_context(tr.deferred_checks())
@@ -292,6 +304,12 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
                 m_us = clock.stop(s)
                 if i >= warmup:
                     times.setdefault(f"layer-mb{len(micro[0])}", []).append(m_us)
+            for op, (graphs, fn) in replayed.items():  # the first call of each captures
+                s = clock.start()
+                graphs.moe(op, fn, x, ids, w, transports=micro[0] if "mb" in op else None)
+                g_us = clock.stop(s)
+                if i >= warmup:
+                    times.setdefault(op, []).append(g_us)
             if i == 0:
                 remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
                 received = int(h.recv.recv_counts_R.sum())

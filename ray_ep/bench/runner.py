@@ -111,7 +111,8 @@ class BenchResult:
     meta: dict = field(default_factory=dict)
 
     def table(self) -> str:
-        head = (f"{'preset':<21}{'backend':<15}{'topo':<5}{'op':<11}{'dtype':<6}{'wts':<5}{'routing':<9}{'T/rank':>7}"
+        ow = max([11] + [len(r.op) + 1 for r in self.rows])  # layer-mb2-graph is wider than the rest
+        head = (f"{'preset':<21}{'backend':<15}{'topo':<5}{'op':<{ow}}{'dtype':<6}{'wts':<5}{'routing':<9}{'T/rank':>7}"
                 f"{'SMs':>5} {'SMs used':>14}{'median us':>11}{'p10':>9}{'p90':>9}{'remote GB/s':>12}{'recv GB/s':>10}"
                 f"{'check':>10}{'TFLOP/s':>9}{'wt GB/s':>9} {'us per launch':>14}")
         lines = [head, "-" * len(head)]
@@ -119,7 +120,7 @@ class BenchResult:
             chk = "-" if r.check_error is None else (f"{r.check_error:.1e}" if r.misplaced_rows == 0 else "MISPLACED")
             tf = "-" if r.tflops is None else f"{r.tflops:.1f}"
             wg = "-" if r.weight_gbps is None else f"{r.weight_gbps:.0f}"
-            lines.append(f"{r.preset:<21}{r.backend:<15}{r.topology:<5}{r.op:<11}{r.dtype:<6}{r.experts:<5}{r.routing:<9}"
+            lines.append(f"{r.preset:<21}{r.backend:<15}{r.topology:<5}{r.op:<{ow}}{r.dtype:<6}{r.experts:<5}{r.routing:<9}"
                          f"{r.tokens:>7}{r.sms:>5} {r.sms_used:>14}{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}"
                          f"{r.remote_gbps:>12.2f}{r.received_gbps:>10.2f}{chk:>10}{tf:>9}{wg:>9} {r.us_per_launch:>14}")
         device = self.meta.get("device", "")
@@ -330,8 +331,9 @@ def dense_peak(device_name: str, dtype: str = "bf16") -> float | None:
 
 
 def _is_layer_op(op: str) -> bool:
-    """Rows whose TFLOP/s is the experts' whole work: layer, layer-mb<n> (micro-batched), experts."""
-    return op in ("layer", "experts") or op.startswith("layer-mb")
+    """Rows whose TFLOP/s is the experts' whole work: layer, layer-mb<n> (micro-batched), their
+    -graph forms (replayed from CUDA graphs), experts."""
+    return op in ("layer", "experts") or op.startswith("layer-")
 
 
 def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int, **labels: Any) -> BenchRow:
@@ -464,7 +466,8 @@ def run_bench(cluster: EPCluster, *, presets: Sequence[str], backends: Sequence[
     seeded experts). ``baselines`` adds raw all_to_all and the peer copy (GPUs only).
     ``progress``: a progress line on stderr. dtypes: the dispatch dtypes of every preset's rows
     (bf16, fp8, nvfp4; default: each preset's own list). ``cuda_graph``: ray_ep's dispatch and
-    combine also replayed from CUDA graphs (rows labelled ``ray_ep-graph``; GPUs only).
+    combine also replayed from CUDA graphs (rows labelled ``ray_ep-graph``; GPUs only), and
+    with ``layer`` the layers too (``layer-graph``, ``layer-mb<n>-graph`` rows).
     ``micro_batches``: with ``layer``, also the layer pipelined over that many micro-batches
     (``layer-mb<n>`` rows; 1: none). expert_dtypes: the routed expert weight dtypes of the
     ``layer`` rows (bf16, fp8; each gets its layer, experts, ``gemm`` and, where torch has one,
@@ -577,10 +580,14 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
                     bar.done()
                 if layer:
                     bar.start(f"{case}: MoE layer, {edt} experts")
+                    graphs = cuda_graph and b == "nvshmem"
                     per_rank = cluster.run(run_row, "layer", group=name, backend=b, num_tokens=T,
                                            routing=rt, seed=seed, iters=iters, warmup=warmup,
-                                           micro_batches=micro_batches)
+                                           micro_batches=micro_batches, cuda_graph=graphs)
                     layer_ops = ["layer", f"layer-mb{micro_batches}", "gemm", "gemm-torch"]
+                    if graphs:  # beside the eager rows they repeat
+                        layer_ops[1:1] = ["layer-graph"]
+                        layer_ops[3:3] = [f"layer-mb{micro_batches}-graph"]
                     if (rt, T, edt) not in experts_done:  # the experts alone: the same kernels on every backend
                         experts_done.add((rt, T, edt))
                         layer_ops.insert(2, "experts")
@@ -642,7 +649,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--micro-batches", type=positive_int, default=2,
                         help="with --layer, also the layer pipelined over this many micro-batches (1: none)")
     parser.add_argument("--cuda-graph", action="store_true",
-                        help="also time dispatch and combine replayed from CUDA graphs (GPUs; rows 'ray_ep-graph')")
+                        help="also time dispatch and combine replayed from CUDA graphs (GPUs; rows 'ray_ep-graph'), "
+                             "and with --layer the layers (rows 'layer-graph', 'layer-mb<n>-graph')")
     parser.add_argument("--no-baselines", action="store_true", help="skip raw all_to_all and the peer copy")
     parser.add_argument("--json", help="write every figure to this JSON file")
     parser.add_argument("--plot", help="write a figure of time and remote bandwidth per operation to this PNG "

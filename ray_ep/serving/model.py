@@ -601,7 +601,7 @@ class EPModel:
 
     ``cuda_graph``: replay each MoE layer from CUDA graphs captured per (layer, token bucket)
     (:mod:`ray_ep.graphs`; the same output, less launch overhead in decode steps). Only GPU
-    workers on the nvshmem backend can, with micro_batches 1; elsewhere it stays off and
+    workers on the nvshmem backend can (micro-batched layers too); elsewhere it stays off and
     :attr:`cuda_graph_status` says why.
 
     >>> weights = init_model_weights(MoEModelConfig(), seed=0)
@@ -630,16 +630,13 @@ class EPModel:
     @property
     def cuda_graph_status(self) -> str:
         """"on", or "off" with the reason: not asked for, CPU workers, the torch backend (its
-        exchange sizes its messages on the host, which a capture cannot), micro-batches."""
-        ep = self.cluster.config
+        exchange sizes its messages on the host, which a capture cannot)."""
         if not self.cuda_graph_requested:
             return "off"
         if not self.cluster.use_gpu:
             return "off (CPU workers)"
         if self.cluster.backend != "nvshmem":
             return f"off (backend {self.cluster.backend}; graphs need nvshmem)"
-        if ep.micro_batches > 1:
-            return f"off (micro_batches = {ep.micro_batches}; graphs need 1)"
         return "on"
 
     @property

@@ -103,7 +103,7 @@ class ServeOptions(BaseModel):
     cuda_graph: bool = True
     """Replay each MoE layer from CUDA graphs, one per layer and token bucket (a power of two
     up to max_tokens_per_rank; the tokens of a step vary, the buckets absorb that). Active on
-    GPU workers with the nvshmem backend and micro_batches 1; elsewhere inactive (/stats says
+    GPU workers with the nvshmem backend (micro-batched layers too); elsewhere inactive (/stats says
     why), never an error. Flag ``--no-cuda-graph`` turns it off."""
     app_name: str = "ray-ep"
     """Serve application name."""
