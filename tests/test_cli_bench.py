@@ -188,6 +188,11 @@ def test_layer_rows_with_experts_alone(ray_session, tmp_path, capsys):
     assert rows["experts"]["tflops"] * rows["experts"]["median_us"] == pytest.approx(
         rows["layer"]["tflops"] * rows["layer"]["median_us"])
     assert "TFLOP/s" in out.splitlines()[0] and " experts " in out
+    # the host's time to return from each eager layer call: on CPU workers the host does the
+    # work itself, so it is most of the row's time; other rows time no host
+    for op in ("layer", "experts", "layer-mb2"):
+        assert 0 < rows[op]["host_us"] <= rows[op]["median_us"] * 1.05, rows[op]
+    assert rows["dispatch"]["host_us"] is None and "host us" in out.splitlines()[0]
 
 
 def test_expert_flops_counts_routed_rows_and_shared_experts():

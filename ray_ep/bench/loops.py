@@ -62,6 +62,10 @@ class RankTimes:
     (ray_ep's kernels; empty for the torch backend)."""
     launch_us: dict[str, list[float]] = field(default_factory=dict)
     """Per op: the median time of each of those launches (:func:`launch_times`)."""
+    host_us: dict[str, list[float]] = field(default_factory=dict)
+    """Eager layer rows: per call, the host's time from calling the layer to its return (its
+    launches from Python; nothing in it waits for the device): a row whose host time reaches its
+    device time is bound by the host."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -272,6 +276,7 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
     inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device) for i in range(sets)]
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"layer": [], "experts": []}
+    host_us: dict[str, list[float]] = {}
     remote = received = flops = 0
     replayed = {}  # row -> (graphs, layer function)
     if cuda_graph and device.type == "cuda":
@@ -281,29 +286,33 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
             replayed[f"layer-mb{len(micro[0])}-graph"] = (
                 LayerGraphs(micro[0][0], cfg.max_tokens_per_rank),
                 lambda a, b, c: moe_micro_batched(micro[0], micro[1], experts, a, b, c, torch.bfloat16))
+
+    def timed(op: str, fn, keep: bool):
+        """fn() timed on the device, and the host's time to return from it (its launches)."""
+        s = clock.start()
+        h0 = time.perf_counter()
+        res = fn()
+        host = (time.perf_counter() - h0) * 1e6
+        us = clock.stop(s)
+        if keep:
+            times.setdefault(op, []).append(us)
+            host_us.setdefault(op, []).append(host)
+        return res
+
     with contextlib.ExitStack() as deferred:  # no host sync inside the timed regions
         for tr in [t, *(micro[0] if micro else [])]:
             deferred.enter_context(tr.deferred_checks())
         for i in range(warmup + iters):
             x, ids, w = inputs[i % sets]
-            s = clock.start()
-            _, h = moe_layer(t, scratch, experts, x, ids, w, torch.bfloat16)
-            us = clock.stop(s)
+            keep = i >= warmup
+            _, h = timed("layer", lambda: moe_layer(t, scratch, experts, x, ids, w, torch.bfloat16), keep)
             # the dispatched rows stay in the buffers until the next dispatch, which no rank
             # starts before the next iteration's barriers
-            s = clock.start()
-            run_experts(handle=h, experts=experts, scratch=scratch)
-            shared_experts(x, experts)
-            e_us = clock.stop(s)
-            if i >= warmup:
-                times["layer"].append(us)
-                times["experts"].append(e_us)
+            timed("experts", lambda: (run_experts(handle=h, experts=experts, scratch=scratch),
+                                      shared_experts(x, experts)), keep)
             if micro is not None:
-                s = clock.start()
-                moe_micro_batched(micro[0], micro[1], experts, x, ids, w, torch.bfloat16)
-                m_us = clock.stop(s)
-                if i >= warmup:
-                    times.setdefault(f"layer-mb{len(micro[0])}", []).append(m_us)
+                timed(f"layer-mb{len(micro[0])}",
+                      lambda: moe_micro_batched(micro[0], micro[1], experts, x, ids, w, torch.bfloat16), keep)
             for op, (graphs, fn) in replayed.items():  # the first call of each captures
                 s = clock.start()
                 graphs.moe(op, fn, x, ids, w, transports=micro[0] if "mb" in op else None)
@@ -332,7 +341,7 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
     wbytes = sum(w.numel() * w.element_size() for w in (experts.w_gate_up_LHF2, experts.w_down_LFH,
                                                          experts.w_gate_up_scales, experts.w_down_scales)
                  if w is not None)
-    return RankTimes(rank, times, remote, received, 0.0, 0, flops, gemm_flops, wbytes)
+    return RankTimes(rank, times, remote, received, 0.0, 0, flops, gemm_flops, wbytes, host_us=host_us)
 
 
 def expert_gemms(h: DispatchHandle, experts, scratch):

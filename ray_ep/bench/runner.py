@@ -92,6 +92,9 @@ class BenchRow:
     launch_us: list = field(default_factory=list)
     """The same rows: the time of each of those launches in microseconds, the slowest rank's
     median over a few calls after the timed ones (a receive's includes its wait for peers)."""
+    host_us: float | None = None
+    """Eager layer and experts rows: the slowest rank's median host time from calling the layer
+    to its return (its launches from Python); at or above median_us the row is host-bound."""
 
     @property
     def sms_used(self) -> str:
@@ -114,15 +117,16 @@ class BenchResult:
         ow = max([11] + [len(r.op) + 1 for r in self.rows])  # layer-mb2-graph is wider than the rest
         head = (f"{'preset':<21}{'backend':<15}{'topo':<5}{'op':<{ow}}{'dtype':<6}{'wts':<5}{'routing':<9}{'T/rank':>7}"
                 f"{'SMs':>5} {'SMs used':>14}{'median us':>11}{'p10':>9}{'p90':>9}{'remote GB/s':>12}{'recv GB/s':>10}"
-                f"{'check':>10}{'TFLOP/s':>9}{'wt GB/s':>9} {'us per launch':>14}")
+                f"{'check':>10}{'TFLOP/s':>9}{'wt GB/s':>9}{'host us':>9} {'us per launch':>14}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             chk = "-" if r.check_error is None else (f"{r.check_error:.1e}" if r.misplaced_rows == 0 else "MISPLACED")
             tf = "-" if r.tflops is None else f"{r.tflops:.1f}"
             wg = "-" if r.weight_gbps is None else f"{r.weight_gbps:.0f}"
+            hu = "-" if r.host_us is None else f"{r.host_us:.0f}"
             lines.append(f"{r.preset:<21}{r.backend:<15}{r.topology:<5}{r.op:<{ow}}{r.dtype:<6}{r.experts:<5}{r.routing:<9}"
                          f"{r.tokens:>7}{r.sms:>5} {r.sms_used:>14}{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}"
-                         f"{r.remote_gbps:>12.2f}{r.received_gbps:>10.2f}{chk:>10}{tf:>9}{wg:>9} {r.us_per_launch:>14}")
+                         f"{r.remote_gbps:>12.2f}{r.received_gbps:>10.2f}{chk:>10}{tf:>9}{wg:>9}{hu:>9} {r.us_per_launch:>14}")
         device = self.meta.get("device", "")
         peaks = {e: dense_peak(device, e) for e in ("bf16", "fp8")}
         if any(r.tflops is not None for r in self.rows) and peaks["bf16"]:
@@ -359,8 +363,15 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
                     check_error=max(checks) if op in ("dispatch", "combine") else None,
                     misplaced_rows=sum(r["misplaced_rows"] for r in per_rank),
                     launches=[list(x) for x in per_rank[0].get("launches", {}).get(op, [])],
-                    launch_us=_slowest_per_launch([r.get("launch_us", {}).get(op, []) for r in per_rank]), **gemm,
-                    **labels)
+                    launch_us=_slowest_per_launch([r.get("launch_us", {}).get(op, []) for r in per_rank]),
+                    host_us=_slowest_median([r.get("host_us", {}).get(op, []) for r in per_rank]), **gemm, **labels)
+
+
+def _slowest_median(per_rank: list[list[float]]) -> float | None:
+    """The largest per-rank median; None unless every rank has samples."""
+    if not per_rank or not all(per_rank):
+        return None
+    return max(statistics.median(t) for t in per_rank)
 
 
 def _slowest_per_launch(per_rank: list[list[float]]) -> list[float]:
