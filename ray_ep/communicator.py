@@ -429,11 +429,11 @@ class EPCommunicator:
         output, and no launch from the host: a micro-batched layer launched from Python waits
         on the host, whose launches take longer than its kernels)."""
         x, ids, w = self.prepare_inputs(x_TH, topk_ids_TK, topk_weights_TK, validate)
+        n = micro_batches or self.config.micro_batches
         if cuda_graph:
             if self.device.type != "cuda":
                 raise EPConfigError(f"rank {self.rank}: cuda_graph needs a CUDA device, this rank has {self.device}")
             od = self._out_dtype(out_dtype)
-            n = micro_batches or self.config.micro_batches
             # a micro-batched layer's receives are its micro-batches' (checked after each replay)
             used = [c.transport(backend) for c in self.micro_batch_communicators(n)] if n > 1 else None
 
@@ -443,7 +443,6 @@ class EPCommunicator:
 
             key = (id(experts), od, fused, backend, n)
             return self.graphs(backend).moe(key, layer, x, ids, w, keep=experts, transports=used)
-        n = micro_batches or self.config.micro_batches
         if n > 1:
             parts = self.micro_batch_communicators(n)
             return moe_micro_batched([c.transport(backend) for c in parts], [c.scratch for c in parts], experts,

@@ -278,17 +278,18 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
     times: dict[str, list[float]] = {"layer": [], "experts": []}
     host_us: dict[str, list[float]] = {}
     remote = received = flops = 0
-    replayed = {}  # row -> (graphs, layer function)
+    replayed = {}  # row -> (graphs, layer function, the transports it uses)
     if cuda_graph and device.type == "cuda":
         replayed["layer-graph"] = (LayerGraphs(t, cfg.max_tokens_per_rank),
-                                   lambda a, b, c: moe_layer(t, scratch, experts, a, b, c, torch.bfloat16)[0])
+                                   lambda a, b, c: moe_layer(t, scratch, experts, a, b, c, torch.bfloat16)[0], None)
         if micro is not None:
             replayed[f"layer-mb{len(micro[0])}-graph"] = (
                 LayerGraphs(micro[0][0], cfg.max_tokens_per_rank),
-                lambda a, b, c: moe_micro_batched(micro[0], micro[1], experts, a, b, c, torch.bfloat16))
+                lambda a, b, c: moe_micro_batched(micro[0], micro[1], experts, a, b, c, torch.bfloat16), micro[0])
 
-    def timed(op: str, fn, keep: bool):
-        """fn() timed on the device, and the host's time to return from it (its launches)."""
+    def timed(op: str, fn, keep: bool, eager: bool = True):
+        """fn() timed on the device and, ``eager`` (launched from Python, no host sync inside),
+        the host's time to return from it (its launches)."""
         s = clock.start()
         h0 = time.perf_counter()
         res = fn()
@@ -296,7 +297,8 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
         us = clock.stop(s)
         if keep:
             times.setdefault(op, []).append(us)
-            host_us.setdefault(op, []).append(host)
+            if eager:
+                host_us.setdefault(op, []).append(host)
         return res
 
     with contextlib.ExitStack() as deferred:  # no host sync inside the timed regions
@@ -313,12 +315,9 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
             if micro is not None:
                 timed(f"layer-mb{len(micro[0])}",
                       lambda: moe_micro_batched(micro[0], micro[1], experts, x, ids, w, torch.bfloat16), keep)
-            for op, (graphs, fn) in replayed.items():  # the first call of each captures
-                s = clock.start()
-                graphs.moe(op, fn, x, ids, w, transports=micro[0] if "mb" in op else None)
-                g_us = clock.stop(s)
-                if i >= warmup:
-                    times.setdefault(op, []).append(g_us)
+            for op, (graphs, fn, used) in replayed.items():  # the first call of each captures
+                # a replay checks its flags on the host (a sync): no host time to report
+                timed(op, lambda: graphs.moe(op, fn, x, ids, w, transports=used), keep, eager=False)
             if i == 0:
                 remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
                 received = int(h.recv.recv_counts_R.sum())
