@@ -18,10 +18,11 @@ from ray_ep.config import EPConfig, nvfp4_row_bytes  # noqa: E402
 from ray_ep.errors import EPInputError  # noqa: E402
 from ray_ep.fp8 import quantize_fp8_blocks_torch  # noqa: E402
 from ray_ep.kernels.activation import swiglu, swiglu_torch  # noqa: E402
-from ray_ep.kernels.experts import LocalExperts, shared_experts  # noqa: E402
+from ray_ep.kernels.experts import ExpertScratch, LocalExperts, run_experts, shared_experts  # noqa: E402
 from ray_ep.kernels.grouped_gemm import (decode_rows_bf16, grouped_gemm, grouped_gemm_torch,  # noqa: E402
                                          quantize_rows_fp8)
 from ray_ep.inputs import make_inputs  # noqa: E402
+from ray_ep.types import DispatchHandle, DispatchLayout, RecvLayout  # noqa: E402
 from ray_ep.weights import init_expert_weights  # noqa: E402
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -246,6 +247,48 @@ def test_expert_chain_matches_reference_experts(dispatch_dtype):
             else:  # the kernels; and the twins on a GPU, whose fp32 matmul sums in another order
                 tol = tol or "chain"
                 torch.testing.assert_close(y[real].float(), expected[rank][real].float(), **TOL[tol])
+
+
+def _handle_of(cfg: EPConfig, d: reference.RankDispatch) -> DispatchHandle:
+    """A DispatchHandle whose receive rows are the reference's expert-major rows (row m reads
+    row m), at the capacity run_experts' scratch has."""
+    M, cap = d.x.shape[0], cfg.max_recv_rows
+    row_ids = torch.full((cap,), -1, dtype=torch.int32)
+    row_ids[:M] = torch.where(d.src_info[:, 0] >= 0, torch.arange(M), -1)
+    zeros = torch.zeros(cfg.world_size, cfg.experts_per_rank, dtype=torch.int32, device=device)
+    recv = RecvLayout(row_ids.to(device), d.row_offsets.to(device), d.num_tokens.to(device), zeros, zeros[:, 0])
+    unused = DispatchLayout(*(torch.zeros(1, dtype=torch.int32, device=device) for _ in range(4)))
+    return DispatchHandle(unused, recv, d.x.to(device), d.scales.to(device) if d.scales is not None else None,
+                          torch.zeros(M, 3 * cfg.top_k, dtype=torch.int32, device=device), num_tokens=0)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+@pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8"])
+def test_run_experts_bf16_weights_matches_reference(dispatch_dtype, routing):
+    # the layer's entry point with bf16 weights (on a GPU the Triton GEMMs on persistent grids,
+    # elsewhere the twins) against reference.experts_world, F not a multiple of a tile's
+    # columns; on a GPU also the bits of the GEMMs on a grid of a program per tile
+    cfg = EPConfig(hidden_size=256, n_experts=16, top_k=3, max_tokens_per_rank=24, intermediate_size=192,
+                   gpus_per_node=2, expert_alignment=4, dispatch_dtype=dispatch_dtype)
+    xs, ids, _ = make_inputs(cfg, [12, 5] if routing == "skewed" else [24, 17], seed=16, routing=routing)
+    weights = init_expert_weights(cfg, seed=16)
+    dispatched = reference.dispatch_world(cfg, xs, ids)
+    expected = reference.experts_world(cfg, dispatched, weights)
+    for rank, d in enumerate(dispatched):
+        experts = LocalExperts.build(cfg, weights.local(rank, cfg.experts_per_rank), device)
+        h = _handle_of(cfg, d)
+        M = d.x.shape[0]
+        real = (d.src_info[:, 0] >= 0)
+        y = run_experts(handle=h, experts=experts, scratch=ExpertScratch.allocate(cfg, device))[:M].cpu()
+        torch.testing.assert_close(y[real].float(), expected[rank][real].float(), **TOL["chain"])
+        if device == "cuda":
+            args = dict(row_offsets_L1=h.recv.row_offsets_L1, num_tokens_L=h.recv.num_tokens_L)
+            many = 1 << 20  # more programs than tiles: one per tile
+            gate_up = grouped_gemm(a=h.x_rows, a_scales=h.scales_rows, a_row_ids=h.recv.row_ids_M,
+                                   b_LDO=experts.w_gate_up_LHF2, num_sms=many, **args)
+            a = swiglu(h_M2F=gate_up, row_ids_M=h.recv.row_ids_M, total_rows=args["row_offsets_L1"][-1:])
+            per_tile = grouped_gemm(a=a, b_LDO=experts.w_down_LFH, num_sms=many, **args)[:M].cpu()
+            assert torch.equal(y[real], per_tile[real])
 
 
 @pytest.mark.parametrize("n_shared", [1, 2])
