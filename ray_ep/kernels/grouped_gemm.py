@@ -381,14 +381,16 @@ def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: i
     16 K steps per tile) 251 us at 4 stages, 241 at 3 (three programs fit an SM: a program's
     start and end, frequent at short K, leave fewer gaps in the weight stream).
 
-    bf16 weights run a persistent grid (one program per SM; :func:`grouped_gemm`'s default):
-    one H200, deepseek-v3 prefill on 4 ranks' rows (64 experts x ~512 rows), against a program
-    per tile in the same run: gate_up 2766 -> 2733 us, down 1581 -> 1476 (609 -> 653 TFLOP/s),
-    the same bits; on one rank's rows (256 experts x ~128) both GEMMs 6634 -> 6613. Other tiles
-    lost there: 256 x 128 3829 / 1765 us, 3 stages 2774 / 1587, BLOCK_D 32 with 6 stages 2819 /
-    1604. So did the SwiGLU in the gate_up GEMM's epilogue (two 128-column halves, gate and up):
-    3017 us against 2868 + the SwiGLU kernel's ~96 on 4 ranks' rows, and the experts 6% slower
-    on one rank's (docs/perf.md v38)."""
+    bf16 weights on prefill shapes (more than 64 capacity rows per expert) run a persistent
+    grid, one program per SM (:func:`grouped_gemm`'s default): one H200, deepseek-v3 prefill
+    on 4 ranks' rows (64 experts x ~512 rows), against a program per tile in the same run:
+    gate_up 2766 -> 2733 us, down 1581 -> 1476 (609 -> 653 TFLOP/s), the same bits; on one
+    rank's rows (256 experts x ~128) both GEMMs 6634 -> 6613. Decode (4 ranks x 128 tokens)
+    lost 1% with it (down 447 -> 453 us), so it keeps a program per tile. Other tiles lost on
+    4 ranks' rows: 256 x 128 3829 / 1765 us, 3 stages 2774 / 1587, BLOCK_D 32 with 6 stages
+    2819 / 1604. So did the SwiGLU in the gate_up GEMM's epilogue (two 128-column halves, gate
+    and up): 3017 us against 2868 + the SwiGLU kernel's ~96 on 4 ranks' rows, and the experts
+    6% slower on one rank's (docs/perf.md v38)."""
     if device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_O=64, BLOCK_D=128 if b_fp8 else 64, num_warps=4, num_stages=1)
     if b_fp8:
@@ -483,8 +485,8 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
         out: optional [M_max, O] bf16 (any strides); padding rows keep their contents. When
             None, a ``torch.empty`` tensor is returned whose padding rows are undefined.
         num_sms: an int launches a persistent grid of that many programs looping over the
-            tiles; None one program per SM for bf16 weights on a GPU, else one per worst-case
-            tile (most exit at once).
+            tiles; None one program per SM for bf16 weights on a GPU with more than 64 capacity
+            rows per expert (prefill), else one per worst-case tile (most exit at once).
         fp8_rows: with fp8 ``b_LDO`` and a bf16 or nvfp4 ``a``: where :func:`quantize_rows_fp8`
             puts the rows quantised to fp8 first (``(q [rows of a, D], scales [rows of a,
             D / 128])``, e.g. a scratch held for CUDA graphs); None: new tensors.
@@ -545,8 +547,8 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     # sum_e ceil(n_e / BM) <= (sum_e n_e + L (BM - 1)) / BM, and every tile holds >= 1 row
     worst_m_tiles = min(M, (M + L * (bm - 1)) // bm)
     worst_tiles = worst_m_tiles * triton.cdiv(O, bo)
-    if num_sms is None and not b_fp8 and dev.type == "cuda":
-        num_sms = sm_count(dev)  # bf16 weights: persistent (see _launch_config)
+    if num_sms is None and not b_fp8 and dev.type == "cuda" and M // L > 64:
+        num_sms = sm_count(dev)  # bf16 weights on prefill shapes: persistent (see _launch_config)
     grid = (max(1, worst_tiles if num_sms is None else min(num_sms, worst_tiles)),)
     # 1-D index vectors are tiny: contiguous copies (on the device, no sync) keep the kernel simple
     row_offsets_L1 = row_offsets_L1.contiguous()
