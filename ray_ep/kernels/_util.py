@@ -32,6 +32,20 @@ def _cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def sm_major(device: torch.device | str) -> int:
+    """A CUDA device's compute capability major (9: Hopper), asked once per device: launchers
+    check it on every call, and torch's query takes ~10 us of host time each; 0 for a CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return _major(_cuda_index(device))
+
+
 def num_sms(device: torch.device | str) -> int:
     """Streaming multiprocessors of a CUDA device; 4 stand-ins for a CPU (interpreter)."""
     device = torch.device(device)

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._sync import last_program_done, peer_bases
-from ._util import BUDGET_ROWS, interpreted, num_sms as sm_count, tma_addressable
+from ._util import BUDGET_ROWS, interpreted, num_sms as sm_count, sm_major, tma_addressable
 
 # the Triton sends' helpers, compiled as Gluon: the peer table's addresses, and the count of
 # finished programs whose last one releases the signals
@@ -84,7 +84,7 @@ def usable_for(cfg, budget: int | None, device: torch.device, dtype: torch.dtype
     """:func:`usable` for any expert rows of ``dtype`` on ``device`` that TMA can address."""
     if not budget or interpreted() or torch.device(device).type != "cuda":
         return False
-    if torch.cuda.get_device_capability(device)[0] != 9 or 2 * budget > sm_count(device):
+    if sm_major(device) != 9 or 2 * budget > sm_count(device):
         return False
     return (cfg.combine_mode == "push" and cfg.n_nodes == 1 and cfg.combine_dtype == "bf16"
             and dtype == torch.bfloat16 and box_width(cfg.hidden_size) > 0)

@@ -66,6 +66,8 @@ runs. :func:`usable` says when this one applies.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -76,7 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_GROUP, FP8_MAX
-from ._util import num_sms as sm_count, tile_in_group, tma_addressable
+from ._util import num_sms as sm_count, sm_major, tile_in_group, tma_addressable
 
 _tile_in_group = gluon.jit(tile_in_group.fn)  # the Triton kernels' map, compiled as Gluon
 
@@ -107,7 +109,7 @@ def weights_usable(b_LDO: torch.Tensor, rows_per_expert: int) -> bool:
     """fp8 K-major weights stored as [L, O, D] (D contiguous) on a Hopper GPU, O a multiple of
     256 and more than 64 capacity rows per expert (decode's few rows per expert keep the Triton
     kernel's 64-row tiles, which read each weight once per 64 rows)."""
-    if b_LDO.device.type != "cuda" or torch.cuda.get_device_capability(b_LDO.device)[0] != 9:
+    if sm_major(b_LDO.device) != 9:
         return False
     if b_LDO.dtype != torch.float8_e4m3fn or rows_per_expert <= 64:
         return False
@@ -489,6 +491,17 @@ def _grouped_gemm_fp8_kernel(a_desc, a_ptr, stride_am, a_scales_ptr, stride_sm, 
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+@functools.lru_cache(maxsize=None)
+def _layout(block: tuple[int, ...], dtype: str) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(list(block), {"fp8": gl.float8e4nv, "bf16": gl.bfloat16}[dtype])
+
+
+def _smem_layout(block: list[int], dtype: str) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a TMA block of ``dtype`` ("fp8" or "bf16"), worked out once per
+    shape: Gluon's ``get_default_for`` takes ~10 us of host time per call, three per launch."""
+    return _layout(tuple(block), dtype)
+
+
 def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids: torch.Tensor | None,
                           b_LDO: torch.Tensor, b_scales: torch.Tensor, row_offsets_L1: torch.Tensor,
                           num_tokens_L: torch.Tensor, out: torch.Tensor, num_sms: int | None,
@@ -503,14 +516,13 @@ def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids:
     gather = a_row_ids is not None
     swiglu = swiglu_scales is not None
     a_block, b_block = [HALF_M.value, BLOCK_K.value], [HALF_O.value, BLOCK_K.value]
-    a_desc = None if gather else TensorDescriptor.from_tensor(
-        a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, gl.float8e4nv))
+    a_desc = None if gather else TensorDescriptor.from_tensor(a, a_block, _smem_layout(a_block, "fp8"))
     b_desc = TensorDescriptor.from_tensor(b_LDO.transpose(1, 2).reshape(L * O, D), b_block,
-                                          gl.NVMMASharedLayout.get_default_for(b_block, gl.float8e4nv))
+                                          _smem_layout(b_block, "fp8"))
     c_block = [HALF_M.value, HALF_O.value]
     tma_store = tma_addressable(out)  # else every row leaves by masked register stores
-    c_desc = TensorDescriptor.from_tensor(out, c_block, gl.NVMMASharedLayout.get_default_for(
-        c_block, gl.float8e4nv if swiglu else gl.bfloat16)) if tma_store else None
+    c_desc = TensorDescriptor.from_tensor(out, c_block, _smem_layout(c_block, "fp8" if swiglu else "bf16")
+                                          ) if tma_store else None
     # the fp8 halves (8 KB a consumer) leave room for every stage
     stages = TMA_STORE_STAGES if tma_store and not swiglu else STAGES
     cs = swiglu_scales if swiglu else out  # a dummy pointer when unused
