@@ -485,6 +485,26 @@ def test_grouped_gemm_fp8_weights_hopper_kernel(gather, num_sms):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("counts", [[0, 0, 0], [0, 0, 1]], ids=["no-rows", "last-expert-one-row"])
+def test_grouped_gemm_fp8_weights_hopper_kernel_edges(counts):
+    # the Gluon kernel with no tile at all writes nothing; with one K block (D 128) and a last
+    # expert of one row (a half tile: its second warpgroup reads the second 128 columns' scales)
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for Hopper (sm_90)")
+    from ray_ep.kernels import grouped_gemm_sm90
+
+    gen = torch.Generator().manual_seed(41)
+    D, O, M = 128, 256, 3 * 128
+    used = -(-sum(counts) // 128) * 128
+    offsets, num_tokens, real = make_layout(counts, 128, M - used)
+    q, s, _ = fp8_weights(len(counts), D, O, gen)
+    x, xs = reference.quantize_fp8(torch.randn(M, D, generator=gen).to(torch.bfloat16))
+    a, a_s = x.to(device), xs.to(device)
+    assert grouped_gemm_sm90.usable(a=a, b_LDO=q, rows_per_expert=M // len(counts))
+    check("bf16", real, a=a, a_scales=a_s, b_LDO=q, b_scales=s, row_offsets_L1=offsets, num_tokens_L=num_tokens)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_sms", [None, 3], ids=["grid-per-sm", "3-programs"])
 @pytest.mark.parametrize("gather", [False, True], ids=["in-place", "gathered"])
 def test_grouped_gemm_swiglu_out_matches_gemm_then_swiglu(gather, num_sms):
