@@ -265,11 +265,13 @@ def _handle_of(cfg: EPConfig, d: reference.RankDispatch) -> DispatchHandle:
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 @pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8"])
 def test_run_experts_bf16_weights_matches_reference(dispatch_dtype, routing):
-    # the layer's entry point with bf16 weights (on a GPU the Triton GEMMs on persistent grids,
-    # elsewhere the twins) against reference.experts_world, F not a multiple of a tile's
-    # columns; on a GPU also the bits of the GEMMs on a grid of a program per tile
-    cfg = EPConfig(hidden_size=256, n_experts=16, top_k=3, max_tokens_per_rank=24, intermediate_size=192,
+    # the layer's entry point with bf16 weights (on a GPU the Triton GEMMs on persistent grids:
+    # a capacity of 195 rows per expert, prefill's side of the 64; elsewhere the twins) against
+    # reference.experts_world, F not a multiple of a tile's columns; on a GPU also the bits of
+    # the GEMMs on a grid of a program per tile
+    cfg = EPConfig(hidden_size=256, n_experts=16, top_k=3, max_tokens_per_rank=256, intermediate_size=192,
                    gpus_per_node=2, expert_alignment=4, dispatch_dtype=dispatch_dtype)
+    assert cfg.max_recv_rows // cfg.experts_per_rank > 64
     xs, ids, _ = make_inputs(cfg, [12, 5] if routing == "skewed" else [24, 17], seed=16, routing=routing)
     weights = init_expert_weights(cfg, seed=16)
     dispatched = reference.dispatch_world(cfg, xs, ids)
@@ -278,7 +280,7 @@ def test_run_experts_bf16_weights_matches_reference(dispatch_dtype, routing):
         experts = LocalExperts.build(cfg, weights.local(rank, cfg.experts_per_rank), device)
         h = _handle_of(cfg, d)
         M = d.x.shape[0]
-        real = (d.src_info[:, 0] >= 0)
+        real = d.src_info[:, 0] >= 0
         y = run_experts(handle=h, experts=experts, scratch=ExpertScratch.allocate(cfg, device))[:M].cpu()
         torch.testing.assert_close(y[real].float(), expected[rank][real].float(), **TOL["chain"])
         if device == "cuda":
