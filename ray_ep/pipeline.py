@@ -149,17 +149,16 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
         # budget in one pass over every token on the SMs it leaves (two half passes took 1.5x
         # as long there), without one a half at a time (4x H200, from graphs: one pass 4880
         # us against 4655 beside every-SM dispatches)
+        # Under a budget experts 0 has no combine beside it: once the dispatches (beside the
+        # shared experts) are done it takes every SM, as later ones cannot (combine i - 1 runs
+        # beside experts i); with no shared experts to cover them it goes beside the dispatches.
         if gemm_sms is None:
             adds = [shared_experts(p[0], experts) for p in parts]
-            has_shared = adds[0] is not None
+            whole_first = False
         else:
             add = shared_experts(x_TH, experts, num_sms=gemm_sms)
             adds = [None if add is None else add[a:b] for a, b in bounds]
-            has_shared = add is not None
-        # under a budget experts 0 has no combine beside it: once the dispatches (beside the
-        # shared experts) are done it takes every SM, as later ones cannot (combine i - 1 runs
-        # beside experts i); with no shared experts to cover them it goes beside the dispatches
-        whole_first = has_shared and gemm_sms is not None
+            whole_first = add is not None
         # combine_mode "pull": forming the partial rows is expert-side work (on the SMs the budget
         # leaves), so it follows the experts on the compute stream; the comm stream loads and sums
         pull = transports[0].cfg.combine_mode == "pull"
