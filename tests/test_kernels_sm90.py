@@ -4,9 +4,11 @@ The CPU tests run the kernels in Triton's interpreter, which accepts code the GP
 rejects (and never links NVSHMEM). This compiles every kernel variant to a cubin with
 Triton's CUDA backend, in a subprocess because the interpreter is on in this one
 (tests/sm90_compile.py). Multi-node variants link NVSHMEM's device bitcode: compiled when
-nvshmem4py (or RAY_EP_NVSHMEM_BITCODE) provides it, skipped otherwise.
+nvshmem4py, the nvidia-nvshmem-cu13 wheel (in the test extra) or RAY_EP_NVSHMEM_BITCODE
+provides it, skipped otherwise.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -27,7 +29,17 @@ def _bitcode() -> str | None:
 
         return nvc.find_device_bitcode_library()
     except Exception:
-        return None
+        pass
+    # the library's wheel alone (the test extra installs it, no GPU needed to compile against it)
+    try:
+        spec = importlib.util.find_spec("nvidia.nvshmem")
+    except ModuleNotFoundError:  # no nvidia namespace package at all
+        spec = None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "lib" / "libnvshmem_device.bc"
+        if path.is_file():
+            return str(path)
+    return None
 
 
 def _compile(*flags: str) -> str:
@@ -83,10 +95,16 @@ def test_single_node_kernels_compile(dtype):
 def test_multi_node_kernels_compile_with_nvshmem(dtype):
     bitcode = _bitcode()
     if bitcode is None:
-        pytest.skip("no NVSHMEM device bitcode (pip install nvshmem4py-cu13, or set RAY_EP_NVSHMEM_BITCODE)")
+        pytest.skip("no NVSHMEM device bitcode (pip install -e '.[test]' or nvidia-nvshmem-cu13, or set "
+                    "RAY_EP_NVSHMEM_BITCODE)")
     out = _compile("--multi-node", "--bitcode", bitcode, *([f"--{dtype}"] if dtype != "bf16" else []))
+    # every kernel that reaches a peer links NVSHMEM, in each form recorded (token counts and
+    # budgets specialise them differently: a count of forms would break with every new one)
     sends = [line for line in out.splitlines() if line.startswith("OK") and ("send" in line or "fused" in line)]
-    assert len(sends) == 6 and all("nvshmem=True" in line for line in sends), out
+    names = {line.split()[1] for line in sends}
+    assert names == {"_dispatch_fused_kernel", "_dispatch_send_kernel", "_combine_fused_kernel",
+                     "_combine_send_kernel"}, out
+    assert all("nvshmem=True" in line for line in sends), out
 
 
 def test_fp8_expert_kernels_compile_to_fp8_tensor_cores():
