@@ -58,11 +58,6 @@ def micro_batch_bounds(num_tokens: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def micro_batch_tokens(max_tokens_per_rank: int, parts: int) -> int:
-    """The most tokens one micro-batch can hold (its transport's max_tokens_per_rank)."""
-    return -(-max_tokens_per_rank // parts)
-
-
 def _deferring(transports: Sequence[Transport]) -> contextlib.ExitStack:
     """Defer the transports' receive checks to the end of a layer: no host sync between the
     phases, so the streams run ahead (a caller already deferring, e.g. a benchmark loop or a

@@ -61,6 +61,7 @@ def _uid_from_bytes(raw: bytes):
 
 _runtime: dict = {}  # the process's NVSHMEM runtime: one init per process, many transports
 
+
 def _uses_nvshmem(module: int) -> bool:
     """True when a loaded CUDA module holds NVSHMEM's device state (it linked the library)."""
     from cuda.bindings import driver
