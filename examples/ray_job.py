@@ -272,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
             "config": cfg.model_dump(), "workers": info}, indent=1))
         if not report.passed:
             raise JobError(EXIT_CHECK_FAILED, f"check failed: max rel error {report.max_rel_error:.2e} above the "
-                                              f"tolerance {report.tolerance:.0e}; benchmark skipped. Wrote {check_path}")
+                                              f"tolerance {report.tolerance:.0e}; benchmark skipped. "
+                                              f"Wrote {check_path}")
 
         print(f"\nbenchmark: presets {b.presets}, tokens {b.tokens or 'preset default'}, {b.iters} iterations",
               flush=True)

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step:>5}  loss {loss:.4f}")
         m = summary(s, history)
         print(f"step {m['step_s'] * 1e3:.1f} ms (forward {m['forward_s'] * 1e3:.1f}, "
-              f"backward {m['backward_s'] * 1e3:.1f}, grad sync + optimizer {m['optimizer_s'] * 1e3:.1f}; median), {m['tokens_per_s']:.0f} tokens/s")
+              f"backward {m['backward_s'] * 1e3:.1f}, grad sync + optimizer {m['optimizer_s'] * 1e3:.1f}; "
+              f"median), {m['tokens_per_s']:.0f} tokens/s")
     dist.destroy_process_group()
     return 0
 

@@ -89,7 +89,8 @@ def _as_config(config: EPConfig | str | dict) -> EPConfig:
         if config.endswith((".yaml", ".yml", ".json")) or os.path.exists(config):
             return EPConfig.from_file(config)
         return EPConfig.preset(config)
-    raise TypeError(f"config must be an EPConfig, a preset name, a YAML/JSON path or a dict, got {type(config).__name__}")
+    raise TypeError(f"config must be an EPConfig, a preset name, a YAML/JSON path or a dict, "
+                    f"got {type(config).__name__}")
 
 
 class EPCluster:

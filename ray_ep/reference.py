@@ -147,7 +147,8 @@ class RankDispatch:
 
     ``x`` [M, H] rows in the dispatch format (bf16, or fp8 with ``scales`` [M, H/128]), or
     for nvfp4 [M, H/2] packed codes with ``scales`` [M, H/16] e4m3; unused padding rows are
-    zero. ``row_offsets`` [L+1] int32: rows of local expert i are ``row_offsets[i]:row_offsets[i+1]``. ``num_tokens`` [L] int32: real rows per expert (the
+    zero. ``row_offsets`` [L+1] int32: rows of local expert i are
+    ``row_offsets[i]:row_offsets[i+1]``. ``num_tokens`` [L] int32: real rows per expert (the
     rest of a segment is padding). ``src_info`` [M, 3] int32: (source rank, source token,
     top-k slot) of each row, -1 for padding.
     """

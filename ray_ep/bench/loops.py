@@ -435,7 +435,8 @@ def bench_alltoall(t: Transport, cfg: EPConfig, rank: int, device: torch.device,
     return RankTimes(rank, times, (R - 1) * rows_per_peer, R * rows_per_peer, 0.0, 0)
 
 
-def bench_peer_copy(t: Transport, rank: int, device: torch.device, *, nbytes: int, iters: int, warmup: int) -> RankTimes:
+def bench_peer_copy(t: Transport, rank: int, device: torch.device, *, nbytes: int, iters: int,
+                    warmup: int) -> RankTimes:
     """Copy-engine copy of ``nbytes`` from rank 0 into rank 1's symmetric block (one pair,
     one way: the practical NVLink ceiling). Other ranks only join the barriers."""
     bufs = t.bufs
@@ -473,9 +474,10 @@ def run_row(worker, kind: str, *, group: str = "main", backend: str | None = Non
     """One benchmark row on this rank, run as ``EPCluster.run(run_row, kind, ...)``
     (collective: every rank at once).
 
-    kind: ``comm`` (dispatch and combine), ``comm_graphs`` (the same, replayed from CUDA graphs), ``layer`` (whole MoE layer; loads seeded experts
-    if the group has none), ``all_to_all`` (raw NCCL, equal splits), ``peer_copy`` (copy
-    engine, rank 0 -> rank 1), ``soak`` (many correctness rounds in a row, no timing).
+    kind: ``comm`` (dispatch and combine), ``comm_graphs`` (the same, replayed from CUDA
+    graphs), ``layer`` (whole MoE layer; loads seeded experts if the group has none),
+    ``all_to_all`` (raw NCCL, equal splits), ``peer_copy`` (copy engine, rank 0 -> rank 1),
+    ``soak`` (many correctness rounds in a row, no timing).
     """
     g = worker.group_state(group)
     rank, device = worker.rank, worker.device

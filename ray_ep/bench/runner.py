@@ -126,7 +126,8 @@ class BenchResult:
             hu = "-" if r.host_us is None else f"{r.host_us:.0f}"
             lines.append(f"{r.preset:<21}{r.backend:<15}{r.topology:<5}{r.op:<{ow}}{r.dtype:<6}{r.experts:<5}{r.routing:<9}"
                          f"{r.tokens:>7}{r.sms:>5} {r.sms_used:>14}{r.median_us:>11.1f}{r.p10_us:>9.1f}{r.p90_us:>9.1f}"
-                         f"{r.remote_gbps:>12.2f}{r.received_gbps:>10.2f}{chk:>10}{tf:>9}{wg:>9}{hu:>9} {r.us_per_launch:>14}")
+                         f"{r.remote_gbps:>12.2f}{r.received_gbps:>10.2f}{chk:>10}{tf:>9}{wg:>9}{hu:>9} "
+                         f"{r.us_per_launch:>14}")
         device = self.meta.get("device", "")
         peaks = {e: dense_peak(device, e) for e in ("bf16", "fp8")}
         if any(r.tflops is not None for r in self.rows) and peaks["bf16"]:

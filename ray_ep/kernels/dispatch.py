@@ -7,8 +7,9 @@ H hidden, N = N_max, M = expert-major rows (capacity: EPConfig.max_recv_rows).
 Send (per source rank ``me``): for every token t and destination d with
 ``token_slots[t, d] = i >= 0``, store its row (bf16; fp8 quantised once in registers plus
 scales; or an nvfp4 wire row: packed codes and block scales in one row of bytes) and its
-meta row (K expert ids, K ordinals, K weights) at row ``me * N + i`` of d's ``dispatch.recv`` buffers, through d's base address. The last program then writes
-d's ``counts[me] = [rows for d, rows for each of d's experts]`` and releases d's
+meta row (K expert ids, K ordinals, K weights) at row ``me * N + i`` of d's ``dispatch.recv``
+buffers, through d's base address. The last program then writes d's
+``counts[me] = [rows for d, rows for each of d's experts]`` and releases d's
 ``signal[me] = epoch + 1`` (see ``_sync``).
 
 Receive (per rank): wait for every source's signal, then from the counts compute each
@@ -838,9 +839,11 @@ def dispatch_fused(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tens
 
 
 # ---- torch implementations (the twins) -------------------------------------------------------
-def pack_meta_torch(topk_ids_TK: torch.Tensor, ordinals_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+def pack_meta_torch(topk_ids_TK: torch.Tensor, ordinals_TK: torch.Tensor,
+                    topk_weights_TK: torch.Tensor) -> torch.Tensor:
     """Meta rows [T, 3K] int32: ids, ordinals, weight bits."""
-    return torch.cat([topk_ids_TK.int(), ordinals_TK.int(), topk_weights_TK.float().contiguous().view(torch.int32)], dim=1)
+    weights = topk_weights_TK.float().contiguous().view(torch.int32)
+    return torch.cat([topk_ids_TK.int(), ordinals_TK.int(), weights], dim=1)
 
 
 def expert_major_torch(*, cfg: EPConfig, rank: int, counts_RL1: torch.Tensor, meta_rows: torch.Tensor,

@@ -282,7 +282,8 @@ def quantize_rows_fp8(*, a: torch.Tensor, a_scales: torch.Tensor | None, row_off
 
 def decode_rows_bf16(*, a: torch.Tensor, a_scales: torch.Tensor, row_offsets_L1: torch.Tensor,
                      num_tokens_L: torch.Tensor, a_row_ids: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None, a_regions: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None,
+                     a_regions: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """The real rows of a grouped GEMM's fp8 or nvfp4 ``a`` (with its ``a_scales``) decoded to
     bf16 (``bf16(fp8 * scale)``, ``bf16(e2m1(code) * scale)``), each at its own row of ``out``
     [rows of a, D] bf16 (a new tensor when None; rows that no real row reads stay as they were);

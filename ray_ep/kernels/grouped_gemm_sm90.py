@@ -85,7 +85,8 @@ _tile_in_group = gluon.jit(tile_in_group.fn)  # the Triton kernels' map, compile
 STAGES = 4  # 4 x 48 KB of shared memory (3 ran within 1%)
 # stages when the output leaves by bulk copies: 3 x 48 KB, plus 2 x 32 KB for the consumers' halves
 TMA_STORE_STAGES = 3
-GATHER_WARPS = 4  # producer warps gathering rows (1 when TMA brings them); not swept: gathered ran within 3% of in place
+# producer warps gathering rows (1 when TMA brings them); not swept: gathered ran within 3% of in place
+GATHER_WARPS = 4
 # the tile (constants of the kernels): 64 rows per consumer warpgroup, two weight-scale blocks
 # of columns, one activation and one weight scale per K block
 BLOCK_M = gl.constexpr(128)

@@ -216,7 +216,8 @@ def quantize_fp8(*, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def dequantize_fp8(*, q_TH: torch.Tensor, scales_TG: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_fp8(*, q_TH: torch.Tensor, scales_TG: torch.Tensor,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """fp8 rows with per-128-channel scales back to ``out_dtype`` [T, H]."""
     check_dequantize_inputs(q_TH, scales_TG)
     T, H = q_TH.shape

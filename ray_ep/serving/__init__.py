@@ -9,7 +9,8 @@ without ``ray[serve]`` installed.
 from .model import (LOGIT_TOLERANCE, EPModel, ModelWeights, MoEModelConfig, NextTokens, check_checkpoint,
                     checkpoint_shapes, forward_reference, generate_reference, init_model_weights, load_checkpoint,
                     moe_layer_reference, pack_sequences, read_checkpoint_config, save_checkpoint)
-from .server import MoEServer, ServeOptions, add_arguments, build_app, main, options_from_args, run_from_args, start_server
+from .server import (MoEServer, ServeOptions, add_arguments, build_app, main, options_from_args, run_from_args,
+                     start_server)
 
 __all__ = [
     # the model

@@ -865,7 +865,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     YAML file (``--config``), then to a checkpoint's stored config, then to the defaults."""
     g = parser.add_argument_group("server")
     g.add_argument("--config", metavar="YAML", help="YAML with ServeOptions fields (model:, ep:, workers, port...)")
-    g.add_argument("--workers", type=int, help="EP workers, one per GPU (default: the GPUs of the cluster, else 2 CPU workers)")
+    g.add_argument("--workers", type=int,
+                   help="EP workers, one per GPU (default: the GPUs of the cluster, else 2 CPU workers)")
     g.add_argument("--nodes", type=int, help="nodes the workers spread over (default 1)")
     g.add_argument("--cpu", action="store_true", help="CPU workers even when GPUs are there")
     g.add_argument("--host", help="HTTP host (default 127.0.0.1; 0.0.0.0 for every interface)")
@@ -880,7 +881,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--api-token-env", metavar="VAR",
                    help=f"require 'Authorization: Bearer TOKEN' on /v1/*, TOKEN read from the environment variable "
                         f"VAR (default: {API_TOKEN_ENV} when it is set; otherwise no token)")
-    g.add_argument("--no-profile", action="store_true", help="no per-phase timing in /stats (saves a GPU sync per phase)")
+    g.add_argument("--no-profile", action="store_true",
+                   help="no per-phase timing in /stats (saves a GPU sync per phase)")
     g.add_argument("--no-cuda-graph", action="store_true",
                    help="run the MoE layers eagerly, not replayed from CUDA graphs per token bucket (graphs are on "
                         "by default on GPU workers with the nvshmem backend; CPU workers never use them)")

@@ -198,9 +198,9 @@ class NvshmemTransport(Transport):
                                         out=self._recv_out, check=self.check)
 
     def dispatch_fused(self, x_TH, topk_ids_TK, topk_weights_TK, layout=None) -> DispatchHandle:
-        return dispatch_k.dispatch_fused(cfg=self.cfg, x_TH=x_TH, topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK,
-                                   bufs=self.bufs, ws=self.ws, out=self._recv_out, check=self.check,
-                                   layout=layout)
+        return dispatch_k.dispatch_fused(cfg=self.cfg, x_TH=x_TH, topk_ids_TK=topk_ids_TK,
+                                         topk_weights_TK=topk_weights_TK, bufs=self.bufs, ws=self.ws,
+                                         out=self._recv_out, check=self.check, layout=layout)
 
     def combine_send(self, y_MH, handle):
         combine_k.combine_send(cfg=self.cfg, y_MH=y_MH, handle=handle, bufs=self.bufs, ws=self.ws)

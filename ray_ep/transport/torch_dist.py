@@ -9,11 +9,12 @@ Rows travel as raw bytes (gloo has no bf16/fp8 reductions to offer and needs non
 
 Bounded waits (gloo): the group the EPWorker creates gets ``recv_timeout_s`` for its
 collectives once its communicator is up (the rendezvous keeps ``init_timeout_s``); a group you
-create and hand to an :class:`~ray_ep.communicator.EPCommunicator` keeps the timeout you gave it. A collective that a peer does not join in time raises
-:class:`~ray_ep.errors.EPTimeoutError` (gloo's own error names no rank); one that breaks
-because a peer gave up or died raises :class:`~ray_ep.errors.EPWorkerError`. Either way the
-process group is closed (gloo: "Application timeout caused pair closure") and the group must
-be rebuilt; the driver names the ranks that stayed silent (those still running).
+create and hand to an :class:`~ray_ep.communicator.EPCommunicator` keeps the timeout you gave
+it. A collective that a peer does not join in time raises :class:`~ray_ep.errors.EPTimeoutError`
+(gloo's own error names no rank); one that breaks because a peer gave up or died raises
+:class:`~ray_ep.errors.EPWorkerError`. Either way the process group is closed (gloo:
+"Application timeout caused pair closure") and the group must be rebuilt; the driver names the
+ranks that stayed silent (those still running).
 
 On NCCL (the GPU baseline) the group keeps ``init_timeout_s``: NCCL collectives return to
 the host at once and a timeout is handled by NCCL's watchdog, which tears the waiting
