@@ -82,6 +82,14 @@ REGISTERS_PER_SM = 65536
 MAX_BLOCKS_PER_SM = 32
 SHARED_BYTES_PER_SM = 227 * 1024  # the most one SM gives to thread blocks (of 228 KiB)
 
+
+def prefill_rows(rows_per_expert: int) -> bool:
+    """Whether a grouped GEMM over ``rows_per_expert`` capacity rows per expert takes the prefill
+    launches (the Hopper fp8 kernel, 128-row tiles, bf16 persistent grids): more than 64. At 64
+    or fewer (decode) 64-row tiles read each weight once per 64 rows, and the weights' bandwidth
+    bounds the GEMM."""
+    return rows_per_expert > 64
+
 _resident: dict[tuple, int] = {}  # programs per SM that fit at once, per compiled variant
 
 

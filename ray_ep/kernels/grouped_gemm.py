@@ -56,7 +56,7 @@ from ..config import FP8_GROUP, NVFP4_BLOCK
 from ..errors import EPInputError
 from ..nvfp4 import dequantize_nvfp4_torch
 from ..validation import check_tensor
-from ._util import interpreted, num_sms as sm_count, tile_in_group, tma_addressable
+from ._util import interpreted, num_sms as sm_count, prefill_rows, tile_in_group, tma_addressable
 from ..fp8 import quantize_fp8_torch
 from . import grouped_gemm_sm90 as sm90
 from .nvfp4 import unpack_nvfp4_tile
@@ -395,7 +395,7 @@ def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: i
     if device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_O=64, BLOCK_D=128 if b_fp8 else 64, num_warps=4, num_stages=1)
     if b_fp8:
-        if rows_per_expert <= 64:
+        if not prefill_rows(rows_per_expert):
             stages = 3 if depth <= 16 * FP8_GROUP else 4
             return dict(BLOCK_M=64, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=4, num_stages=stages)
         return dict(BLOCK_M=128, BLOCK_O=128, BLOCK_D=FP8_GROUP, num_warps=8, num_stages=4)
@@ -548,7 +548,7 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     # sum_e ceil(n_e / BM) <= (sum_e n_e + L (BM - 1)) / BM, and every tile holds >= 1 row
     worst_m_tiles = min(M, (M + L * (bm - 1)) // bm)
     worst_tiles = worst_m_tiles * triton.cdiv(O, bo)
-    if num_sms is None and not b_fp8 and dev.type == "cuda" and M // L > 64:
+    if num_sms is None and not b_fp8 and dev.type == "cuda" and prefill_rows(M // L):
         num_sms = sm_count(dev)  # bf16 weights on prefill shapes: persistent (see _launch_config)
     grid = (max(1, worst_tiles if num_sms is None else min(num_sms, worst_tiles)),)
     # 1-D index vectors are tiny: contiguous copies (on the device, no sync) keep the kernel simple

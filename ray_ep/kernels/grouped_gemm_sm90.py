@@ -78,7 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_GROUP, FP8_MAX
-from ._util import num_sms as sm_count, sm_major, tile_in_group, tma_addressable
+from ._util import num_sms as sm_count, prefill_rows, sm_major, tile_in_group, tma_addressable
 
 _tile_in_group = gluon.jit(tile_in_group.fn)  # the Triton kernels' map, compiled as Gluon
 
@@ -112,7 +112,7 @@ def weights_usable(b_LDO: torch.Tensor, rows_per_expert: int) -> bool:
     kernel's 64-row tiles, which read each weight once per 64 rows)."""
     if sm_major(b_LDO.device) != 9:
         return False
-    if b_LDO.dtype != torch.float8_e4m3fn or rows_per_expert <= 64:
+    if b_LDO.dtype != torch.float8_e4m3fn or not prefill_rows(rows_per_expert):
         return False
     L, D, O = b_LDO.shape
     w = b_LDO.transpose(1, 2)
@@ -493,14 +493,11 @@ def _grouped_gemm_fp8_kernel(a_desc, a_ptr, stride_am, a_scales_ptr, stride_sm, 
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(block: tuple[int, ...], dtype: str) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for(list(block), {"fp8": gl.float8e4nv, "bf16": gl.bfloat16}[dtype])
-
-
-def _smem_layout(block: list[int], dtype: str) -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a TMA block of ``dtype`` ("fp8" or "bf16"), worked out once per
-    shape: Gluon's ``get_default_for`` takes ~10 us of host time per call, three per launch."""
-    return _layout(tuple(block), dtype)
+def _smem_layout(rows: int, cols: int, dtype: str) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a [rows, cols] TMA block of ``dtype`` ("fp8" or "bf16"), worked
+    out once per shape: Gluon's ``get_default_for`` takes ~10 us of host time per call, three per
+    launch."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], {"fp8": gl.float8e4nv, "bf16": gl.bfloat16}[dtype])
 
 
 def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids: torch.Tensor | None,
@@ -517,12 +514,12 @@ def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids:
     gather = a_row_ids is not None
     swiglu = swiglu_scales is not None
     a_block, b_block = [HALF_M.value, BLOCK_K.value], [HALF_O.value, BLOCK_K.value]
-    a_desc = None if gather else TensorDescriptor.from_tensor(a, a_block, _smem_layout(a_block, "fp8"))
+    a_desc = None if gather else TensorDescriptor.from_tensor(a, a_block, _smem_layout(*a_block, "fp8"))
     b_desc = TensorDescriptor.from_tensor(b_LDO.transpose(1, 2).reshape(L * O, D), b_block,
-                                          _smem_layout(b_block, "fp8"))
+                                          _smem_layout(*b_block, "fp8"))
     c_block = [HALF_M.value, HALF_O.value]
     tma_store = tma_addressable(out)  # else every row leaves by masked register stores
-    c_desc = TensorDescriptor.from_tensor(out, c_block, _smem_layout(c_block, "fp8" if swiglu else "bf16")
+    c_desc = TensorDescriptor.from_tensor(out, c_block, _smem_layout(*c_block, "fp8" if swiglu else "bf16")
                                           ) if tma_store else None
     # the fp8 halves (8 KB a consumer) leave room for every stage
     stages = TMA_STORE_STAGES if tma_store and not swiglu else STAGES
