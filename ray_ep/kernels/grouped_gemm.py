@@ -62,6 +62,9 @@ from . import grouped_gemm_sm90 as sm90
 from .nvfp4 import unpack_nvfp4_tile
 from .quant import quantize_group
 
+# 128-channel groups per step of _convert_rows_kernel over bf16 / fp8 rows (nvfp4 rows: one):
+# a row's 1024 channels in one load (16 bytes a thread) where 128 took 2 KB a step per program
+STEP_GROUPS = 8
 A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.uint8)  # uint8: nvfp4, two codes per byte
 B_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -179,6 +182,7 @@ def _convert_rows_kernel(
     stride_am, stride_ad, stride_sm, stride_sd, stride_qm, stride_qsm,
     D: tl.constexpr, HAS_ROW_IDS: tl.constexpr, BY_REGION: tl.constexpr, IN_FP8: tl.constexpr,
     NVFP4: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_D: tl.constexpr,
+    GROUPS: tl.constexpr = 1,
 ):
     """Each real row of ``a`` decoded to fp32, stored at its own row of q: quantised to fp8
     with its scales (OUT_FP8) or as bf16. Real rows: those the expert-major rows read (through
@@ -217,9 +221,9 @@ def _convert_rows_kernel(
             else:
                 src = m.to(tl.int64)
             ok = real & (src >= 0)
-        for d0 in range(0, D, GROUP_D):
+        for d0 in range(0, D, GROUP_D * GROUPS):
             # D is a multiple of 128 for fp8 rows, of 16 only for nvfp4 rows decoded to bf16
-            cols = d0 + tl.arange(0, GROUP_D)
+            cols = d0 + tl.arange(0, GROUP_D * GROUPS)
             cm = ok[:, None] & (cols[None, :] < D)
             if NVFP4:
                 pc = d0 // 2 + tl.arange(0, GROUP_D // 2)
@@ -233,13 +237,18 @@ def _convert_rows_kernel(
                 x = tl.load(a_ptr + src[:, None] * stride_am + cols[None, :] * stride_ad, mask=cm,
                             other=0.0).to(tl.float32)
                 if IN_FP8:
-                    x *= tl.load(a_scales_ptr + src * stride_sm + (d0 // GROUP_D) * stride_sd, mask=ok,
-                                 other=0.0)[:, None]
+                    gs = d0 // GROUP_D + tl.arange(0, GROUPS)
+                    sc = tl.load(a_scales_ptr + src[:, None] * stride_sm + gs[None, :] * stride_sd,
+                                 mask=ok[:, None] & (gs[None, :] < D // GROUP_D), other=0.0)
+                    x = tl.reshape(tl.reshape(x, (BLOCK_R, GROUPS, GROUP_D)) * sc[:, :, None],
+                                   (BLOCK_R, GROUPS * GROUP_D))
             # a row that two local experts share is written twice, with the same bytes
             if OUT_FP8:
-                q, qs = quantize_group(x, 1)
+                q, qs = quantize_group(x, GROUPS)
                 tl.store(q_ptr + src[:, None] * stride_qm + cols[None, :], q, mask=cm)
-                tl.store(q_scales_ptr + src * stride_qsm + d0 // GROUP_D, tl.reshape(qs, (BLOCK_R,)), mask=ok)
+                gs = d0 // GROUP_D + tl.arange(0, GROUPS)
+                tl.store(q_scales_ptr + src[:, None] * stride_qsm + gs[None, :], qs,
+                         mask=ok[:, None] & (gs[None, :] < D // GROUP_D))
             else:
                 tl.store(q_ptr + src[:, None] * stride_qm + cols[None, :], x.to(tl.bfloat16), mask=cm)
         tile += num_programs
@@ -325,8 +334,11 @@ def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, a_region
     # what hides the loads' latency is programs in flight: at least 4 per SM where the rows
     # allow (one H200, a shared expert's 4096 x 7168 bf16 rows: 1024 steps of 4 rows, 65.0 ->
     # 52.5 us against 128 of 32; a receive of 4 x 4096 rows: steps of 16, 111.3 -> 103.9 us)
-    block_r = 32
-    while block_r > 4 and triton.cdiv(M, block_r) < 4 * sms:
+    # bf16 / fp8 rows: steps of STEP_GROUPS groups (4 rows x 1024 channels where 32 x 128 were:
+    # the same 4096 elements, in 16-byte loads; not yet measured on a GPU)
+    groups = 1 if nvfp4 else STEP_GROUPS
+    block_r = max(1, 32 // groups)
+    while block_r > max(1, 4 // groups) and triton.cdiv(M, block_r) < 4 * sms:
         block_r //= 2
     tiles = triton.cdiv(M, block_r)
     grid = (max(1, min(tiles, 8 * sms)),)
@@ -340,6 +352,7 @@ def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, a_region
         D=2 * a.shape[1] if nvfp4 else a.shape[1], HAS_ROW_IDS=a_row_ids is not None, BY_REGION=a_regions is not None,
         IN_FP8=a.dtype == torch.float8_e4m3fn, NVFP4=nvfp4, OUT_FP8=qs is not None,
         BLOCK_L=max(2, triton.next_power_of_2(L)), BLOCK_R=block_r, GROUP_D=FP8_GROUP, num_warps=4,
+        GROUPS=groups,
     )
 
 
