@@ -208,6 +208,31 @@ def test_grouped_gemm_persistent_grid_matches():
     assert torch.equal(full[real], few[real])
 
 
+
+def test_flat_bf16_kernel_matches_the_tile_by_tile_kernel():
+    # the persistent bf16 kernel whose tile loop Triton fuses with its K loop (bf16 rows in
+    # place, on GPUs): 3 programs over every tile, an empty expert, a partial last tile, D
+    # past the last step; the bits of the tile-by-tile kernel, padding rows untouched
+    from ray_ep.kernels import grouped_gemm as gg
+
+    gen = torch.Generator().manual_seed(17)
+    offsets, num_tokens, real = make_layout([30, 0, 70, 9], 16, 0)
+    L, D, O = 4, 96, 128
+    a, b = rand_a(real.shape[0], D, gen), rand_b(L, D, O, gen)
+    kw = dict(a=a, b_LDO=b, row_offsets_L1=offsets, num_tokens_L=num_tokens)
+    want = grouped_gemm(**kw, num_sms=1 << 20)  # a program per tile: the tile-by-tile kernel
+    cfg = gg._launch_config(a.device, b_fp8=False, rows_per_expert=real.shape[0] // L, depth=D)
+    a_desc, b_desc = gg._descriptor(a, [cfg["BLOCK_M"], cfg["BLOCK_D"]]), gg._weight_descriptor(b, cfg)
+    assert a_desc is not None and b_desc is not None
+    got = torch.full((real.shape[0], O), SENTINEL, dtype=torch.bfloat16, device=device)
+    gg._bf16_flat_kernel[(3,)](a_desc=a_desc, b_desc=b_desc, c_ptr=got, row_offsets_ptr=offsets,
+                               num_tokens_ptr=num_tokens, L=L, O=O, stride_cm=got.stride(0), D=D, BLOCK_L=4,
+                               BLOCK_M=cfg["BLOCK_M"], BLOCK_O=cfg["BLOCK_O"], BLOCK_D=cfg["BLOCK_D"],
+                               DOT_FP32=device == "cpu", num_warps=cfg["num_warps"])
+    assert torch.equal(got[real], want[real])
+    assert bool((got[~real] == SENTINEL).all())
+
+
 def test_grouped_gemm_new_output():
     gen = torch.Generator().manual_seed(13)
     offsets, num_tokens, real = make_layout([6, 10], 1, 0)

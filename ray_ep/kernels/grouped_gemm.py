@@ -177,6 +177,43 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
+def _bf16_flat_kernel(a_desc, b_desc, c_ptr, row_offsets_ptr, num_tokens_ptr, L, O, stride_cm,
+                      D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr,
+                      BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr = False):
+    """:func:`_grouped_gemm_kernel` for bf16 rows in place and bf16 weights, both by TMA, on a
+    persistent grid whose tile loop Triton fuses with the K loop (``flatten``): the next tile's
+    first K steps load during this tile's epilogue instead of after it (the same products in
+    the same order: the same bits)."""
+    experts = tl.arange(0, BLOCK_L)
+    tokens_L = tl.load(num_tokens_ptr + experts, mask=experts < L, other=0)
+    m_tiles_L = (tokens_L + BLOCK_M - 1) // BLOCK_M
+    tiles_L = m_tiles_L * tl.cdiv(O, BLOCK_O)
+    tile_ends_L = tl.cumsum(tiles_L, axis=0)
+    for tile in tl.range(tl.program_id(0), tl.sum(tiles_L, axis=0), tl.num_programs(0), flatten=True):
+        e, local = tile_in_group(tile, tiles_L, tile_ends_L, experts)
+        this = experts == e
+        m_tiles = tl.sum(tl.where(this, m_tiles_L, 0), axis=0)
+        tokens = tl.sum(tl.where(this, tokens_L, 0), axis=0)
+        o_tile = local // m_tiles
+        m_tile = local - o_tile * m_tiles
+        row0 = tl.load(row_offsets_ptr + e) + m_tile * BLOCK_M
+        acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):  # past D the bulk copies read zeros
+            a = a_desc.load([row0, d0])
+            b = tl.reshape(b_desc.load([e, d0, o_tile * BLOCK_O]), (BLOCK_D, BLOCK_O))
+            if DOT_FP32:  # the interpreter (tests): bf16 dots as in _grouped_gemm_kernel
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        # one store for every tile (a branch to a bulk store here stops Triton fusing the loops)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_o = o_tile * BLOCK_O + tl.arange(0, BLOCK_O)
+        rows = (row0 + offs_m).to(tl.int64)
+        tl.store(c_ptr + rows[:, None] * stride_cm + offs_o[None, :], acc.to(tl.bfloat16),
+                 mask=(m_tile * BLOCK_M + offs_m < tokens)[:, None] & (offs_o < O)[None, :])
+
+
+@triton.jit
 def _convert_rows_kernel(
     a_ptr, a_scales_ptr, a_row_ids_ptr, q_ptr, q_scales_ptr, row_offsets_ptr, num_tokens_ptr, L, N,
     stride_am, stride_ad, stride_sm, stride_sd, stride_qm, stride_qsm,
@@ -415,6 +452,20 @@ def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: i
     return dict(BLOCK_M=128, BLOCK_O=256, BLOCK_D=64, num_warps=8, num_stages=4)
 
 
+# stages of the flattened bf16 kernel (one H200, the down GEMM over 4 ranks' rows: 1527 us with
+# 3, 1550 with 4, 1559 for the tile-by-tile loop, docs/perf.md v39; v40: 1506-1512 against 1540)
+FLAT_STAGES = 3
+
+
+def flat_bf16(a: torch.Tensor, a_desc, b_fp8: bool, num_sms: int | None) -> bool:
+    """Whether a persistent bf16 launch (fewer programs than tiles) takes
+    :func:`_bf16_flat_kernel`: bf16 rows in place (a TMA descriptor), bf16 weights, on a GPU.
+    Rows gathered through row ids keep the tile loop (flattened, pointer-loaded rows ran 8%
+    slower: the gate_up GEMM, docs/perf.md v39)."""
+    return (num_sms is not None and not b_fp8 and a_desc is not None and a.dtype == torch.bfloat16
+            and a.device.type == "cuda" and not interpreted())
+
+
 def _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_scales, out,
                         num_sms, b_scales=None) -> tuple[int, int, int, int]:
     """Validate the arguments of :func:`grouped_gemm` / its twin; returns (M_max, D, O, L)."""
@@ -574,6 +625,13 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     # rows in place (no gather) arrive by bulk copies too; fp8 and bf16 rows only
     a_desc = (_descriptor(a, [cfg["BLOCK_M"], cfg["BLOCK_D"]])
               if b_desc is not None and a_row_ids is None and a.dtype != torch.uint8 else None)
+    if flat_bf16(a, a_desc, b_fp8, num_sms) and grid[0] < worst_tiles and out.stride(1) == 1:
+        _bf16_flat_kernel[grid](
+            a_desc=a_desc, b_desc=b_desc, c_ptr=out, row_offsets_ptr=row_offsets_L1, num_tokens_ptr=num_tokens_L,
+            L=L, O=O, stride_cm=out.stride(0), D=D, BLOCK_L=max(2, triton.next_power_of_2(L)),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_O=cfg["BLOCK_O"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+            num_stages=FLAT_STAGES)
+        return out
     _grouped_gemm_kernel[grid](
         a_ptr=a, a_desc=a_desc, a_scales_ptr=scales, a_row_ids_ptr=row_ids, b_ptr=b_LDO, b_desc=b_desc,
         b_scales_ptr=bs, c_ptr=out,
