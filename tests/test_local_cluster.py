@@ -65,3 +65,46 @@ def test_two_nodes_on_one_host(no_ray):
         report = ep.check(num_tokens=[5, 0, 9, 3], routing="skewed", rounds=2)
         assert report.passed, report.table()
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("n_nodes", [1, 2])
+def test_nvshmem_starts_with_the_environment_of_its_topology(monkeypatch, n_nodes):
+    """runtime_init sets nvshmem_env before NVSHMEM starts, each variable only where unset: one
+    node gets no network transport and no proxy thread (which spins a CPU core per worker);
+    several nodes keep both; NVLink multicast is off either way. NVSHMEM itself is faked: what
+    it would read is the environment at its init."""
+    import os
+    import sys
+    import types
+
+    import torch
+    import triton
+
+    from ray_ep.transport import nvshmem as backend
+
+    seen = {}
+    core = types.SimpleNamespace(
+        init=lambda **kw: seen.update({k: v for k, v in os.environ.items() if k.startswith("NVSHMEM_")}))
+    cuda_core = types.SimpleNamespace(Device=lambda index: types.SimpleNamespace(set_current=lambda: None))
+    for name, mod in {"nvshmem": types.SimpleNamespace(core=core), "nvshmem.core": core,
+                      "cuda.core": cuda_core}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for k in backend.nvshmem_env(1):  # unset, and restored after the test (init sets them)
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    if n_nodes == 2:
+        monkeypatch.setenv("NVSHMEM_REMOTE_TRANSPORT", "ucx")  # a user's own value stays
+    monkeypatch.setattr(backend, "_runtime", {})
+    hooks = []
+    monkeypatch.setattr(backend, "_uid_from_bytes", lambda raw: raw)
+    monkeypatch.setattr(triton.knobs.runtime.kernel_load_end_hook, "add", hooks.append)
+    backend.runtime_init(0, 1, torch.device("cuda", 0), b"\0" * 4, n_nodes=n_nodes)
+    assert seen["NVSHMEM_DISABLE_NVLS"] == "1"
+    if n_nodes == 1:
+        assert seen["NVSHMEM_REMOTE_TRANSPORT"] == "none"
+        assert seen["NVSHMEM_DISABLE_LOCAL_ONLY_PROXY"] == "1"
+    else:
+        assert seen["NVSHMEM_REMOTE_TRANSPORT"] == "ucx"
+        assert "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY" not in seen
+    assert hooks == [backend._register_module]

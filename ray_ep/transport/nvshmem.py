@@ -13,7 +13,7 @@ bitcode and each of their modules must be registered with ``nvshmemx_cumodule_in
 its first launch: :func:`runtime_init` adds a Triton kernel-load hook that does it.
 
 Environment the worker sets before init (never changed behind the user's back elsewhere):
-NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast), NVSHMEM_REMOTE_TRANSPORT=none on one node.
+:func:`nvshmem_env`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,23 @@ NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 }
+
+
+def nvshmem_env(n_nodes: int) -> dict[str, str]:
+    """What a worker sets in its environment before NVSHMEM starts, each variable only where
+    it is unset (a ``runtime_env`` of yours wins): NVLink multicast off everywhere; on one node
+    no network transport (``NVSHMEM_REMOTE_TRANSPORT=none``) and no proxy thread
+    (``NVSHMEM_DISABLE_LOCAL_ONLY_PROXY=1``).
+
+    The proxy thread serves network transports, NVSHMEM's device-side global exit and its own
+    device-side wait timeouts; one node's kernels use none of them (they reach their peers
+    through NVLink addresses and time out by themselves). Left running it spins a CPU core
+    per worker whether or not anything runs (one H200, an idle worker: 101% of a core with
+    it, 1% without)."""
+    env = dict(NO_MULTICAST_ENV)
+    if n_nodes == 1:
+        env.update(NVSHMEM_REMOTE_TRANSPORT="none", NVSHMEM_DISABLE_LOCAL_ONLY_PROXY="1")
+    return env
 
 
 def make_unique_id() -> bytes:
@@ -86,10 +103,8 @@ def runtime_init(rank: int, world_size: int, device: torch.device, unique_id: by
     """Join the NVSHMEM job (collective and blocking: every rank at once)."""
     if _runtime:
         raise EPWorkerError(f"rank {rank}: NVSHMEM is already initialised in this process")
-    for k, v in NO_MULTICAST_ENV.items():
+    for k, v in nvshmem_env(n_nodes).items():
         os.environ.setdefault(k, v)
-    if n_nodes == 1:
-        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     import nvshmem.core as nvc
     from cuda.core import Device
 
