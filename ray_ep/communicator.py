@@ -252,7 +252,7 @@ class EPCommunicator:
         from .transport import nvshmem
 
         cfg = self.config
-        uid = self._broadcast_uid(nvshmem.make_unique_id() if self.rank == 0 else None)
+        uid = self._broadcast_uid(nvshmem.make_unique_id(cfg.n_nodes) if self.rank == 0 else None)
         nvshmem.runtime_init(self.rank, cfg.world_size, self.device, uid, n_nodes=cfg.n_nodes)
         self._owns_nvshmem = True
         self._transports["nvshmem"] = nvshmem.NvshmemTransport(cfg, self.rank, self.device)

@@ -34,7 +34,7 @@ from .errors import EPClusterError, EPInputError, EPStateError
 from .inputs import ROUTINGS
 from .local_cluster import init_ray_bounded, start_local_ray
 from .routing import route
-from .transport.nvshmem import NO_MULTICAST_ENV
+from .transport.nvshmem import nvshmem_env
 from .validation import validate_moe_inputs, validate_per_rank, validate_router_logits
 from .weights import ExpertWeights, check_expert_weights
 
@@ -185,7 +185,8 @@ class EPCluster:
         env = dict(self._runtime_env)
         # TORCH_CPP_LOG_LEVEL: torch's C++ warnings (c10d's "hostname of the client socket cannot be
         # retrieved" on every start in containers) stay out of the driver's console; yours wins
-        env["env_vars"] = {**NO_MULTICAST_ENV, "TORCH_CPP_LOG_LEVEL": "ERROR", **env.get("env_vars", {})}
+        # NVSHMEM's options (nvshmem_env) from the start: its first call in a worker reads them
+        env["env_vars"] = {**nvshmem_env(cfg.n_nodes), "TORCH_CPP_LOG_LEVEL": "ERROR", **env.get("env_vars", {})}
         self._use_gpu_resolved = use_gpu
         num_cpus = self._num_cpus if self._num_cpus is not None else (1.0 if use_gpu else 0.5)
         group = EPWorkerGroup(EPWorker, cfg, use_gpu=use_gpu, runtime_env=env, num_cpus_per_worker=num_cpus,

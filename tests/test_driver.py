@@ -11,6 +11,7 @@ Legend: R ranks, T tokens on a rank, H hidden size, K top-k, E experts, L = E / 
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import pytest
@@ -452,6 +453,20 @@ def test_run_with_per_rank_args_state_and_two_layers(ep2):
     assert all(torch.equal(o, w) for (_, o), w in zip(second, want))
     with pytest.raises(EPInputError, match="one tuple per rank"):
         ep2.run(_two_layers_with_state, args_per_rank=per_rank[:1])
+
+
+def _nvshmem_options(worker):
+    return {k: v for k, v in os.environ.items() if k.startswith(("NVSHMEM_", "NCCL_NVLS", "TORCH_SYMM_MEM"))}
+
+
+def test_workers_start_with_the_nvshmem_environment_of_one_node(ep2):
+    # in the worker's environment from its start (runtime_env), before anything reads NVSHMEM's
+    # options: on one node no network transport and no proxy thread, multicast off
+    from ray_ep.transport.nvshmem import nvshmem_env
+
+    for got in ep2.run(_nvshmem_options):
+        assert {k: got.get(k) for k in nvshmem_env(1)} == nvshmem_env(1)
+    assert nvshmem_env(1)["NVSHMEM_DISABLE_LOCAL_ONLY_PROXY"] == "1"
 
 
 def test_run_error_is_raised_with_its_type_and_cluster_stays_usable(ep2):

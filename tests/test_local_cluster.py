@@ -67,9 +67,11 @@ def test_two_nodes_on_one_host(no_ray):
     assert not ray.is_initialized()
 
 
+@pytest.mark.parametrize("which", ["rank 0", "other ranks"])
 @pytest.mark.parametrize("n_nodes", [1, 2])
-def test_nvshmem_starts_with_the_environment_of_its_topology(monkeypatch, n_nodes):
-    """runtime_init sets nvshmem_env before NVSHMEM starts, each variable only where unset: one
+def test_nvshmem_starts_with_the_environment_of_its_topology(monkeypatch, n_nodes, which):
+    """nvshmem_env is in place before a process's first NVSHMEM call (make_unique_id on rank 0,
+    runtime_init elsewhere), each variable only where unset: one
     node gets no network transport and no proxy thread (which spins a CPU core per worker);
     several nodes keep both; NVLink multicast is off either way. NVSHMEM itself is faked: what
     it would read is the environment at its init."""
@@ -83,8 +85,11 @@ def test_nvshmem_starts_with_the_environment_of_its_topology(monkeypatch, n_node
     from ray_ep.transport import nvshmem as backend
 
     seen = {}
-    core = types.SimpleNamespace(
-        init=lambda **kw: seen.update({k: v for k, v in os.environ.items() if k.startswith("NVSHMEM_")}))
+    def options(**kw):  # what NVSHMEM reads at its first call in the process
+        seen.update({k: v for k, v in os.environ.items() if k.startswith("NVSHMEM_")})
+        return types.SimpleNamespace(_data=memoryview(b"uid"))
+
+    core = types.SimpleNamespace(init=options, get_unique_id=options)
     cuda_core = types.SimpleNamespace(Device=lambda index: types.SimpleNamespace(set_current=lambda: None))
     for name, mod in {"nvshmem": types.SimpleNamespace(core=core), "nvshmem.core": core,
                       "cuda.core": cuda_core}.items():
@@ -99,7 +104,9 @@ def test_nvshmem_starts_with_the_environment_of_its_topology(monkeypatch, n_node
     hooks = []
     monkeypatch.setattr(backend, "_uid_from_bytes", lambda raw: raw)
     monkeypatch.setattr(triton.knobs.runtime.kernel_load_end_hook, "add", hooks.append)
-    backend.runtime_init(0, 1, torch.device("cuda", 0), b"\0" * 4, n_nodes=n_nodes)
+    first_call = {"rank 0": lambda: backend.make_unique_id(n_nodes),  # rank 0's first call
+                  "other ranks": lambda: backend.runtime_init(0, 1, torch.device("cuda", 0), b"uid", n_nodes=n_nodes)}
+    first_call[which]()
     assert seen["NVSHMEM_DISABLE_NVLS"] == "1"
     if n_nodes == 1:
         assert seen["NVSHMEM_REMOTE_TRANSPORT"] == "none"
@@ -107,4 +114,4 @@ def test_nvshmem_starts_with_the_environment_of_its_topology(monkeypatch, n_node
     else:
         assert seen["NVSHMEM_REMOTE_TRANSPORT"] == "ucx"
         assert "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY" not in seen
-    assert hooks == [backend._register_module]
+    assert hooks == ([backend._register_module] if which == "other ranks" else [])
