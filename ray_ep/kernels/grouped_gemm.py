@@ -70,6 +70,18 @@ B_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 @triton.jit
+def _expert_tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L):
+    """(expert, m tile, o tile, the expert's real rows) of a flat tile index over the experts'
+    tiles laid end to end, m fastest inside an expert (the Hopper kernel's ``_tile``, in Triton)."""
+    e, local = tile_in_group(tile, tiles_L, tile_ends_L, experts)
+    this = experts == e
+    m_tiles = tl.sum(tl.where(this, m_tiles_L, 0), axis=0)
+    tokens = tl.sum(tl.where(this, tokens_L, 0), axis=0)
+    o_tile = local // m_tiles
+    return e, local - o_tile * m_tiles, o_tile, tokens
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_desc, a_scales_ptr, a_row_ids_ptr, b_ptr, b_desc, b_scales_ptr, c_ptr, row_offsets_ptr, num_tokens_ptr,
     L, O,
@@ -98,12 +110,7 @@ def _grouped_gemm_kernel(
     tile = pid
     # persistent loop (a while: its bound lives on the device); one pass when grid = worst case
     while tile < total_tiles:
-        e, local = tile_in_group(tile, tiles_L, tile_ends_L, experts)
-        this = experts == e
-        m_tiles = tl.sum(tl.where(this, m_tiles_L, 0), axis=0)
-        tokens = tl.sum(tl.where(this, tokens_L, 0), axis=0)
-        o_tile = local // m_tiles
-        m_tile = local - o_tile * m_tiles
+        e, m_tile, o_tile, tokens = _expert_tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L)
         seg_start = tl.load(row_offsets_ptr + e)
 
         offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -190,12 +197,7 @@ def _bf16_flat_kernel(a_desc, b_desc, c_ptr, row_offsets_ptr, num_tokens_ptr, L,
     tiles_L = m_tiles_L * tl.cdiv(O, BLOCK_O)
     tile_ends_L = tl.cumsum(tiles_L, axis=0)
     for tile in tl.range(tl.program_id(0), tl.sum(tiles_L, axis=0), tl.num_programs(0), flatten=True):
-        e, local = tile_in_group(tile, tiles_L, tile_ends_L, experts)
-        this = experts == e
-        m_tiles = tl.sum(tl.where(this, m_tiles_L, 0), axis=0)
-        tokens = tl.sum(tl.where(this, tokens_L, 0), axis=0)
-        o_tile = local // m_tiles
-        m_tile = local - o_tile * m_tiles
+        e, m_tile, o_tile, tokens = _expert_tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L)
         row0 = tl.load(row_offsets_ptr + e) + m_tile * BLOCK_M
         acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):  # past D the bulk copies read zeros
