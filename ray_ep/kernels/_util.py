@@ -312,3 +312,17 @@ def tile_in_group(tile, tiles_G, tile_ends_G, groups):
     where the one before it does, so the count skips it."""
     g = tl.sum((tile_ends_G <= tile).to(tl.int32), axis=0)
     return g, tile - tl.sum(tl.where(groups == g, tile_ends_G - tiles_G, 0), axis=0)
+
+
+@triton.jit
+def expert_tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L):
+    """(expert, m tile, o tile, the expert's real rows) of a flat tile index over the experts'
+    tiles laid end to end (``tiles_L`` = m tiles x o tiles per expert, ``tile_ends_L`` their
+    inclusive cumsum), m fastest inside an expert, so programs in flight share a weight slice:
+    the grouped GEMMs' tile order (Triton, and Gluon through ``gluon.jit(expert_tile.fn)``)."""
+    e, local = tile_in_group(tile, tiles_L, tile_ends_L, experts)
+    this = experts == e
+    m_tiles = tl.sum(tl.where(this, m_tiles_L, 0), axis=0)
+    tokens = tl.sum(tl.where(this, tokens_L, 0), axis=0)
+    o_tile = local // m_tiles
+    return e, local - o_tile * m_tiles, o_tile, tokens

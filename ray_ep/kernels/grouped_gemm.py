@@ -56,7 +56,7 @@ from ..config import FP8_GROUP, NVFP4_BLOCK
 from ..errors import EPInputError
 from ..nvfp4 import dequantize_nvfp4_torch
 from ..validation import check_tensor
-from ._util import interpreted, num_sms as sm_count, prefill_rows, tile_in_group, tma_addressable
+from ._util import expert_tile, interpreted, num_sms as sm_count, prefill_rows, tile_in_group, tma_addressable
 from ..fp8 import quantize_fp8_torch
 from . import grouped_gemm_sm90 as sm90
 from .nvfp4 import unpack_nvfp4_tile
@@ -67,18 +67,6 @@ from .quant import quantize_group
 STEP_GROUPS = 8
 A_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.uint8)  # uint8: nvfp4, two codes per byte
 B_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-
-
-@triton.jit
-def _expert_tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L):
-    """(expert, m tile, o tile, the expert's real rows) of a flat tile index over the experts'
-    tiles laid end to end, m fastest inside an expert (the Hopper kernel's ``_tile``, in Triton)."""
-    e, local = tile_in_group(tile, tiles_L, tile_ends_L, experts)
-    this = experts == e
-    m_tiles = tl.sum(tl.where(this, m_tiles_L, 0), axis=0)
-    tokens = tl.sum(tl.where(this, tokens_L, 0), axis=0)
-    o_tile = local // m_tiles
-    return e, local - o_tile * m_tiles, o_tile, tokens
 
 
 @triton.jit
@@ -110,7 +98,7 @@ def _grouped_gemm_kernel(
     tile = pid
     # persistent loop (a while: its bound lives on the device); one pass when grid = worst case
     while tile < total_tiles:
-        e, m_tile, o_tile, tokens = _expert_tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L)
+        e, m_tile, o_tile, tokens = expert_tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L)
         seg_start = tl.load(row_offsets_ptr + e)
 
         offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -197,7 +185,7 @@ def _bf16_flat_kernel(a_desc, b_desc, c_ptr, row_offsets_ptr, num_tokens_ptr, L,
     tiles_L = m_tiles_L * tl.cdiv(O, BLOCK_O)
     tile_ends_L = tl.cumsum(tiles_L, axis=0)
     for tile in tl.range(tl.program_id(0), tl.sum(tiles_L, axis=0), tl.num_programs(0), flatten=True):
-        e, m_tile, o_tile, tokens = _expert_tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L)
+        e, m_tile, o_tile, tokens = expert_tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L)
         row0 = tl.load(row_offsets_ptr + e) + m_tile * BLOCK_M
         acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):  # past D the bulk copies read zeros
@@ -374,7 +362,8 @@ def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, a_region
     # allow (one H200, a shared expert's 4096 x 7168 bf16 rows: 1024 steps of 4 rows, 65.0 ->
     # 52.5 us against 128 of 32; a receive of 4 x 4096 rows: steps of 16, 111.3 -> 103.9 us)
     # bf16 / fp8 rows: steps of STEP_GROUPS groups (4 rows x 1024 channels where 32 x 128 were:
-    # the same 4096 elements, in 16-byte loads; not yet measured on a GPU)
+    # the same 4096 elements, in 16-byte loads; one H200, the fp8 shared expert over 4096
+    # tokens: 410 -> 390 us with its quantisation, docs/perf.md v40)
     groups = 1 if nvfp4 else STEP_GROUPS
     block_r = max(1, 32 // groups)
     while block_r > max(1, 4 // groups) and triton.cdiv(M, block_r) < 4 * sms:
@@ -459,13 +448,13 @@ def _launch_config(device: torch.device, b_fp8: bool = False, rows_per_expert: i
 FLAT_STAGES = 3
 
 
-def flat_bf16(a: torch.Tensor, a_desc, b_fp8: bool, num_sms: int | None) -> bool:
-    """Whether a persistent bf16 launch (fewer programs than tiles) takes
-    :func:`_bf16_flat_kernel`: bf16 rows in place (a TMA descriptor), bf16 weights, on a GPU.
-    Rows gathered through row ids keep the tile loop (flattened, pointer-loaded rows ran 8%
-    slower: the gate_up GEMM, docs/perf.md v39)."""
-    return (num_sms is not None and not b_fp8 and a_desc is not None and a.dtype == torch.bfloat16
-            and a.device.type == "cuda" and not interpreted())
+def _flat_bf16(a: torch.Tensor, a_desc, b_fp8: bool, programs: int, worst_tiles: int, out: torch.Tensor) -> bool:
+    """Whether a launch takes :func:`_bf16_flat_kernel`: persistent (fewer ``programs`` than
+    tiles), bf16 rows in place (a TMA descriptor), bf16 weights, output columns contiguous, on
+    a GPU. Rows gathered through row ids keep the tile loop (flattened, pointer-loaded rows
+    ran 8% slower: the gate_up GEMM, docs/perf.md v39)."""
+    return (programs < worst_tiles and not b_fp8 and a_desc is not None and a.dtype == torch.bfloat16
+            and out.stride(1) == 1 and a.device.type == "cuda" and not interpreted())
 
 
 def _check_grouped_gemm(a, b_LDO, row_offsets_L1, num_tokens_L, a_row_ids, a_scales, out,
@@ -627,7 +616,7 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     # rows in place (no gather) arrive by bulk copies too; fp8 and bf16 rows only
     a_desc = (_descriptor(a, [cfg["BLOCK_M"], cfg["BLOCK_D"]])
               if b_desc is not None and a_row_ids is None and a.dtype != torch.uint8 else None)
-    if flat_bf16(a, a_desc, b_fp8, num_sms) and grid[0] < worst_tiles and out.stride(1) == 1:
+    if _flat_bf16(a, a_desc, b_fp8, grid[0], worst_tiles, out):
         _bf16_flat_kernel[grid](
             a_desc=a_desc, b_desc=b_desc, c_ptr=out, row_offsets_ptr=row_offsets_L1, num_tokens_ptr=num_tokens_L,
             L=L, O=O, stride_cm=out.stride(0), D=D, BLOCK_L=max(2, triton.next_power_of_2(L)),

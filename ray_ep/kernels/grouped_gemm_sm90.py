@@ -78,9 +78,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_GROUP, FP8_MAX
-from ._util import num_sms as sm_count, prefill_rows, sm_major, tile_in_group, tma_addressable
+from ._util import expert_tile, num_sms as sm_count, prefill_rows, sm_major, tma_addressable
 
-_tile_in_group = gluon.jit(tile_in_group.fn)  # the Triton kernels' map, compiled as Gluon
+_tile = gluon.jit(expert_tile.fn)  # the Triton kernels' tile order, compiled as Gluon
 
 STAGES = 4  # 4 x 48 KB of shared memory (3 ran within 1%)
 # stages when the output leaves by bulk copies: 3 x 48 KB, plus 2 x 32 KB for the consumers' halves
@@ -135,17 +135,6 @@ def _tiles(num_tokens_ptr, L, O, BLOCK_L: gl.constexpr, BM: gl.constexpr, BO: gl
     tiles_L = m_tiles_L * (O // BO)
     tile_ends_L = gl.associative_scan(tiles_L, 0, _add)
     return experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L, gl.sum(tiles_L, axis=0)
-
-
-@gluon.jit
-def _tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L):
-    """(expert, m tile, o tile, the expert's real rows) of a flat tile index; inside an expert m
-    runs fastest, so programs in flight share a weight slice (as the Triton kernel orders them)."""
-    e, local = _tile_in_group(tile, tiles_L, tile_ends_L, experts)
-    this = experts == e
-    m_tiles = gl.sum(gl.where(this, m_tiles_L, 0), axis=0)
-    o_tile = local // m_tiles
-    return e, local - o_tile * m_tiles, o_tile, gl.sum(gl.where(this, tokens_L, 0), axis=0)
 
 
 @gluon.jit
