@@ -28,7 +28,7 @@ from ..errors import EPInputError, EPStateError
 from ..inputs import make_inputs
 from ..kernels.experts import LocalExperts, shared_experts
 from ..transport.base import Transport
-from ..transport.nvshmem import NO_MULTICAST_ENV
+from ..transport.nvshmem import apply_nvshmem_env
 from ..types import DispatchHandle
 from ..weights import ExpertWeights, init_expert_weights
 from .group import WorkerContext
@@ -119,8 +119,7 @@ class EPWorker:
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
         self.rank = ctx.rank
-        for k, v in NO_MULTICAST_ENV.items():  # before any GPU library starts
-            os.environ.setdefault(k, v)
+        apply_nvshmem_env(ctx.n_nodes)  # before any GPU library starts
         if ctx.use_gpu:
             if not torch.cuda.is_available():
                 raise EPStateError(f"rank {ctx.rank}: Ray granted a GPU but torch sees none "

@@ -59,9 +59,10 @@ def nvshmem_env(n_nodes: int) -> dict[str, str]:
     return env
 
 
-def _set_env(n_nodes: int) -> None:
-    """:func:`nvshmem_env` into this process's environment where unset: before its first NVSHMEM
-    call, which reads the options (for rank 0 that is :func:`make_unique_id`)."""
+def apply_nvshmem_env(n_nodes: int) -> None:
+    """:func:`nvshmem_env` into this process's environment where unset, before its first NVSHMEM
+    call reads the options: at a worker's start, and again in :func:`make_unique_id` (rank 0's
+    first call) and :func:`runtime_init` for processes that are not ray_ep workers."""
     for k, v in nvshmem_env(n_nodes).items():
         os.environ.setdefault(k, v)
 
@@ -69,7 +70,7 @@ def _set_env(n_nodes: int) -> None:
 def make_unique_id(n_nodes: int) -> bytes:
     """A fresh NVSHMEM unique id as bytes (starts the bootstrap root in this process, a rank of
     an ``n_nodes`` topology)."""
-    _set_env(n_nodes)
+    apply_nvshmem_env(n_nodes)
     import nvshmem.core as nvc
 
     return nvc.get_unique_id()._data.tobytes()
@@ -112,7 +113,7 @@ def runtime_init(rank: int, world_size: int, device: torch.device, unique_id: by
     """Join the NVSHMEM job (collective and blocking: every rank at once)."""
     if _runtime:
         raise EPWorkerError(f"rank {rank}: NVSHMEM is already initialised in this process")
-    _set_env(n_nodes)
+    apply_nvshmem_env(n_nodes)
     import nvshmem.core as nvc
     from cuda.core import Device
 
