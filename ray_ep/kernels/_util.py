@@ -308,7 +308,7 @@ def tile_in_group(tile, tiles_G, tile_ends_G, groups):
     """(group g, g's tile index) of a flat ``tile`` index over the groups' tiles laid end to end
     (``tiles_G`` per group, ``tile_ends_G`` their inclusive cumsum, ``groups`` = arange): the
     persistent loops' map from a tile to its expert or receive region, in the grouped GEMMs
-    (Triton, and Gluon through ``gluon.jit(tile_in_group.fn)``). A group with no tiles ends
+    (Triton, and Gluon inside ``gluon.jit(expert_tile.fn)``). A group with no tiles ends
     where the one before it does, so the count skips it."""
     g = tl.sum((tile_ends_G <= tile).to(tl.int32), axis=0)
     return g, tile - tl.sum(tl.where(groups == g, tile_ends_G - tiles_G, 0), axis=0)
