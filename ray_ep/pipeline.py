@@ -2,7 +2,8 @@
 
 :func:`moe_layer` (one transport): the shared experts need only the rank's own tokens, so
 they run on a side stream from the start, beside the dispatch (which in decode mostly waits
-on its peers) and the routed experts; the combine adds them once both streams meet::
+on its peers) and the routed experts, under an SM budget on the SMs the dispatch leaves; the
+combine adds them once both streams meet::
 
     caller's stream: dispatch | routed experts | (join) combine + shared
     side stream:     shared experts |
@@ -58,6 +59,14 @@ def micro_batch_bounds(num_tokens: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def gemm_sms_beside(budget: int | None, device: torch.device) -> int | None:
+    """The programs a persistent grouped GEMM takes while communication kernels hold ``budget``
+    SMs (None: no budget, one per SM): the SMs they leave, so they never wait for the GEMM to
+    finish, whatever order its blocks and theirs reach the SMs in (a CUDA graph's replay keeps
+    no launch order between streams)."""
+    return max(1, num_sms(device) - budget) if budget else None
+
+
 def _deferring(transports: Sequence[Transport]) -> contextlib.ExitStack:
     """Defer the transports' receive checks to the end of a layer: no host sync between the
     phases, so the streams run ahead (a caller already deferring, e.g. a benchmark loop or a
@@ -93,11 +102,13 @@ def moe_layer(t: Transport, scratch: ExpertScratch, experts: LocalExperts, x_TH:
     with _deferring([t]):
         h = t.dispatch(x_TH, topk_ids_TK, topk_weights_TK, fused=fused)
         if add is not None:
-            # launched after the dispatch, so its blocks reach the SMs first
+            # launched after the dispatch, so its blocks reach the SMs first; under a budget on
+            # the SMs the dispatch leaves (one H200, a stand-in dispatch on 24 SMs: the same time
+            # as on every SM, and a graph's replay cannot make the dispatch wait for it)
             side = side_stream(x_TH.device)
             side.wait_event(inputs_ready)
             with torch.cuda.stream(side):
-                shared_experts(x_TH, experts, out=add)
+                shared_experts(x_TH, experts, out=add, num_sms=gemm_sms_beside(t.cfg.num_sms, x_TH.device))
         y = run_experts(handle=h, experts=experts, scratch=scratch)
         if add is not None:
             main.wait_stream(side)
@@ -136,10 +147,8 @@ def moe_micro_batched(transports: Sequence[Transport], scratches: Sequence[Exper
                 handles.append(t.dispatch(*p, fused=fused))
                 dispatched.append(torch.cuda.Event())
                 dispatched[-1].record(comm)
-        # the grouped GEMM is persistent (one program per SM it may use): under an SM budget it
-        # leaves the communication kernels' SMs free, or they would wait for it to finish
         budget = transports[0].cfg.num_sms
-        gemm_sms = max(1, num_sms(x_TH.device) - budget) if budget else None
+        gemm_sms = gemm_sms_beside(budget, x_TH.device)
         # the shared experts need no dispatch: they compute while the dispatches fly; under a
         # budget in one pass over every token on the SMs it leaves (two half passes took 1.5x
         # as long there), without one a half at a time (4x H200, from graphs: one pass 4880

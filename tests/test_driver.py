@@ -197,6 +197,16 @@ def test_layer_graphs_refuse_more_tokens_than_the_largest_bucket():
         graphs.moe("layer", lambda *a: None, x[:24], ids[:24], w[:24])
 
 
+def test_gemms_beside_communication_leave_its_sms():
+    """Under an SM budget a layer's persistent GEMMs take the SMs the communication leaves (a CPU
+    counts 4 stand-in SMs), never none; without a budget, one program per SM (None)."""
+    from ray_ep.pipeline import gemm_sms_beside
+
+    assert gemm_sms_beside(None, torch.device("cpu")) is None
+    assert gemm_sms_beside(1, torch.device("cpu")) == 3
+    assert gemm_sms_beside(4, torch.device("cpu")) == 1
+
+
 @pytest.mark.parametrize("bad", [0, 9, 1.5, True, "2"])
 def test_bad_micro_batches_is_refused(ep2, bad):
     cfg = ep2.config
