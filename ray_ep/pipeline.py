@@ -61,10 +61,11 @@ def micro_batch_bounds(num_tokens: int, parts: int) -> list[tuple[int, int]]:
 
 def gemm_sms_beside(budget: int | None, device: torch.device) -> int | None:
     """The programs a persistent grouped GEMM takes while communication kernels hold ``budget``
-    SMs (None: no budget, one per SM): the SMs they leave, so they never wait for the GEMM to
-    finish, whatever order its blocks and theirs reach the SMs in (a CUDA graph's replay keeps
-    no launch order between streams)."""
-    return max(1, num_sms(device) - budget) if budget else None
+    SMs: the SMs they leave, so they never wait for the GEMM to finish, whatever order its
+    blocks and theirs reach the SMs in (a CUDA graph's replay keeps no launch order between
+    streams). None (one program per SM) without a budget or with one of every SM."""
+    sms = num_sms(device)
+    return sms - budget if budget and budget < sms else None
 
 
 def _deferring(transports: Sequence[Transport]) -> contextlib.ExitStack:

@@ -199,12 +199,15 @@ def test_layer_graphs_refuse_more_tokens_than_the_largest_bucket():
 
 def test_gemms_beside_communication_leave_its_sms():
     """Under an SM budget a layer's persistent GEMMs take the SMs the communication leaves (a CPU
-    counts 4 stand-in SMs), never none; without a budget, one program per SM (None)."""
+    counts 4 stand-in SMs); without a budget, or with one of every SM (or more), one program per
+    SM (None), not a GEMM squeezed onto one SM."""
     from ray_ep.pipeline import gemm_sms_beside
 
     assert gemm_sms_beside(None, torch.device("cpu")) is None
     assert gemm_sms_beside(1, torch.device("cpu")) == 3
-    assert gemm_sms_beside(4, torch.device("cpu")) == 1
+    assert gemm_sms_beside(3, torch.device("cpu")) == 1
+    assert gemm_sms_beside(4, torch.device("cpu")) is None
+    assert gemm_sms_beside(132, torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("bad", [0, 9, 1.5, True, "2"])
