@@ -147,16 +147,19 @@ def test_large_batch_under_sm_budget_against_reference(cluster, dtype, num_sms, 
 # on the next e4m3 step (2^-3 of it), moving an output element by a few percent of the largest
 # (tests/test_kernels_grouped_gemm.py, the fp8 expert chain)
 FP8_EXPERTS_TOL = 5e-2
-FP8_EXPERT_CASES = [("deepseek-v3", "bf16"), ("deepseek-v3", "fp8"), ("deepseek-v3", "nvfp4"), ("qwen3-moe", "fp8"),
-                    ("mixtral", "bf16"), ("tiny", "fp8")]
+FP8_EXPERT_CASES = [("deepseek-v3", "bf16", None), ("deepseek-v3", "fp8", None), ("deepseek-v3", "nvfp4", None),
+                    ("qwen3-moe", "fp8", None), ("mixtral", "bf16", None), ("tiny", "fp8", None),
+                    ("deepseek-v3", "fp8", 24)]
 
 
-@pytest.mark.parametrize("preset,dtype", FP8_EXPERT_CASES, ids=[f"{p}-{d}" for p, d in FP8_EXPERT_CASES])
-def test_fp8_experts_against_reference(cluster, preset, dtype):
+@pytest.mark.parametrize("preset,dtype,num_sms", FP8_EXPERT_CASES,
+                         ids=[f"{p}-{d}" + (f"-{n}sms" if n else "") for p, d, n in FP8_EXPERT_CASES])
+def test_fp8_experts_against_reference(cluster, preset, dtype, num_sms):
     # the Triton grouped GEMMs on fp8 tensor cores: fp8 rows as they arrive, bf16 and nvfp4
-    # rows quantised once before the GEMM; SwiGLU quantised to fp8 for the down GEMM
-    name = f"test/fp8-experts/{preset}/{dtype}"
-    cluster.call_workers("add_group", name, _group_cfg(cluster, preset, dtype, expert_dtype="fp8"))
+    # rows quantised once before the GEMM; SwiGLU quantised to fp8 for the down GEMM; under an
+    # SM budget the shared experts' GEMMs run on the SMs the dispatch leaves (pipeline.moe_layer)
+    name = f"test/fp8-experts/{preset}/{dtype}/{num_sms}"
+    cluster.call_workers("add_group", name, _group_cfg(cluster, preset, dtype, expert_dtype="fp8", num_sms=num_sms))
     try:
         for routing in ("uniform", "skewed", "one-expert"):
             for fused in (True, False):
