@@ -70,6 +70,20 @@ B_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 @triton.jit
+def _expert_tiles(num_tokens_ptr, L, O, BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
+    """The experts' tile table of a launch: (experts, real rows, m tiles, tiles and their
+    inclusive ends per expert, total tiles), tiles expert-major; inside an expert m runs fastest
+    (:func:`ray_ep.kernels._util.expert_tile`), so programs in flight share one [D, BLOCK_O]
+    slice of b[e] and the expert's A rows stay in L2 across o tiles."""
+    experts = tl.arange(0, BLOCK_L)
+    tokens_L = tl.load(num_tokens_ptr + experts, mask=experts < L, other=0)
+    m_tiles_L = (tokens_L + BLOCK_M - 1) // BLOCK_M
+    tiles_L = m_tiles_L * tl.cdiv(O, BLOCK_O)
+    tile_ends_L = tl.cumsum(tiles_L, axis=0)
+    return experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L, tl.sum(tiles_L, axis=0)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_desc, a_scales_ptr, a_row_ids_ptr, b_ptr, b_desc, b_scales_ptr, c_ptr, row_offsets_ptr, num_tokens_ptr,
     L, O,
@@ -84,15 +98,8 @@ def _grouped_gemm_kernel(
     # fixed D per weight shape costs one compile per GEMM of the model.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    experts = tl.arange(0, BLOCK_L)
-    tokens_L = tl.load(num_tokens_ptr + experts, mask=experts < L, other=0)
-    num_o_tiles = tl.cdiv(O, BLOCK_O)
-    m_tiles_L = (tokens_L + BLOCK_M - 1) // BLOCK_M
-    # tiles expert-major; inside an expert m runs fastest, so programs in flight share one
-    # [D, BLOCK_O] slice of b[e] and the expert's A rows stay in L2 across o tiles
-    tiles_L = m_tiles_L * num_o_tiles
-    tile_ends_L = tl.cumsum(tiles_L, axis=0)
-    total_tiles = tl.sum(tiles_L, axis=0)
+    experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L, total_tiles = _expert_tiles(num_tokens_ptr, L, O, BLOCK_L,
+                                                                                    BLOCK_M, BLOCK_O)
 
     offs_d = tl.arange(0, BLOCK_D)
     tile = pid
@@ -179,12 +186,9 @@ def _bf16_flat_kernel(a_desc, b_desc, c_ptr, row_offsets_ptr, num_tokens_ptr, L,
     persistent grid whose tile loop Triton fuses with the K loop (``flatten``): the next tile's
     first K steps load during this tile's epilogue instead of after it (the same products in
     the same order: the same bits)."""
-    experts = tl.arange(0, BLOCK_L)
-    tokens_L = tl.load(num_tokens_ptr + experts, mask=experts < L, other=0)
-    m_tiles_L = (tokens_L + BLOCK_M - 1) // BLOCK_M
-    tiles_L = m_tiles_L * tl.cdiv(O, BLOCK_O)
-    tile_ends_L = tl.cumsum(tiles_L, axis=0)
-    for tile in tl.range(tl.program_id(0), tl.sum(tiles_L, axis=0), tl.num_programs(0), flatten=True):
+    experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L, total = _expert_tiles(num_tokens_ptr, L, O, BLOCK_L, BLOCK_M,
+                                                                              BLOCK_O)
+    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=True):
         e, m_tile, o_tile, tokens = expert_tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L)
         row0 = tl.load(row_offsets_ptr + e) + m_tile * BLOCK_M
         acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
