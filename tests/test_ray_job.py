@@ -125,23 +125,42 @@ def job_cluster():
     address). None where the dashboard cannot start: the test then runs the entrypoint as a
     plain driver against the cluster (RAY_ADDRESS set, as `ray job submit` does).
 
-    Every port is a free one, the dashboard agent's too (its default, 52365, is taken when
-    another Ray runs on the machine, and the job server then finds no agent)."""
+    The dashboard agent binds a port the OS picks (0): its default, 52365, is taken when
+    another Ray runs on the machine, and a port chosen here and freed before the agent binds it
+    can be taken in between (CI saw that once); either way the agent stays up without its HTTP
+    server and the job server answers "No available agent" to every submission."""
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=free_port(),
-        dashboard_agent_listen_port=free_port()))
+        dashboard_agent_listen_port=0))
     try:
         ctx = ray.init(address=cluster.address, logging_level="WARNING")
         url = f"http://{ctx.dashboard_url}" if ctx.dashboard_url else None
-        yield url, cluster.address
+        yield url, cluster.address, Path(cluster.head_node.get_logs_dir_path())
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
-def run_job(dashboard_url: str | None, gcs_address: str, entrypoint: str, exit_status: int = 0) -> str:
+def submit(client, entrypoint: str, logs_dir: Path, wait_s: float = 90) -> str:
+    """Submit, giving a slow agent (a loaded 2-core machine) ``wait_s`` to register; the job id.
+    An agent that never registers fails with its own log's last lines, which say why."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(REPO), "excludes": EXCLUDES})
+        except RuntimeError as e:
+            if "No available agent" not in str(e):
+                raise
+            if time.monotonic() > deadline:
+                log = logs_dir / "dashboard_agent.log"
+                tail = "\n".join(log.read_text().splitlines()[-30:]) if log.exists() else f"(no {log})"
+                pytest.fail(f"no dashboard agent registered within {wait_s:.0f} s; {log}:\n{tail}")
+            time.sleep(2)
+
+
+def run_job(dashboard_url: str | None, gcs_address: str, logs_dir: Path, entrypoint: str, exit_status: int = 0) -> str:
     """Submit through the Jobs SDK (or, without a dashboard, run as a driver), expect the
     entrypoint's ``exit_status``; the logs."""
     if dashboard_url is None:
@@ -153,7 +172,7 @@ def run_job(dashboard_url: str | None, gcs_address: str, entrypoint: str, exit_s
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     client = JobSubmissionClient(dashboard_url)
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(REPO), "excludes": EXCLUDES})
+    job_id = submit(client, entrypoint, logs_dir)
     deadline = time.monotonic() + 420
     while not (status := client.get_job_status(job_id)).is_terminal():
         assert time.monotonic() < deadline, f"job still {status} after 420 s:\n{client.get_job_logs(job_id)[-3000:]}"
