@@ -54,7 +54,8 @@ EXIT_INTERNAL = 5
 EXIT_STATUSES = f"""\
 exit status:
   {EXIT_OK}  the check passed and the benchmark ran (or --dry-run: the config is valid)
-  {EXIT_CHECK_FAILED}  the check failed: an error above the tolerance (benchmark skipped)
+  {EXIT_CHECK_FAILED}  the check failed: an error above the tolerance (benchmark skipped), or a
+     benchmark row's own round-trip check (FAIL in its table; the artifacts are written)
   {EXIT_USAGE}  bad arguments or config (the message names the field), or --out not writable
   {EXIT_MISSING_DEPENDENCY}  an optional package is missing (--plot: pip install 'ray-ep[plot]')
   {EXIT_CLUSTER}  cluster or worker error: Ray unreachable, topology does not fit, a worker died
@@ -287,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
         written.append(out / "ray_ep_bench.png")
         result.plot(str(written[-1]))
     print(f"\nartifacts: {', '.join(map(str, written))} ({time.perf_counter() - t0:.1f} s in all)")
+    if failed := result.failed_checks():
+        raise JobError(EXIT_CHECK_FAILED, f"the benchmark's check failed on {len(failed)} run(s): {failed[0]}")
     return EXIT_OK
 
 

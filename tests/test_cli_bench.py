@@ -390,6 +390,65 @@ def test_a_failing_plot_keeps_the_table_and_the_json(monkeypatch, tmp_path, caps
     assert "the plot failed (RuntimeError: no display)" in captured.err and len(captured.err.splitlines()) == 1
 
 
+def test_a_failed_check_says_where_and_fails_the_command(monkeypatch, tmp_path, capsys):
+    """A run whose round trip is wrong: FAIL in the check column of its dispatch and combine
+    rows, one line under the table naming the run and where each rank went wrong, the table
+    and JSON kept, exit status 1. A passing run keeps its figure, a misplaced row MISPLACED."""
+    where = "rank 1: 3 of 8 tokens wrong; the worst, token 5: 128 of 256 channels in 1 group(s) of 128 (1)"
+    bad = {"dtype": "fp8", "sms": "16", "check_error": 0.37, "check_detail": where}
+    res = bench.BenchResult(rows=[_row(), _row(op="combine"), _row(**bad), _row(op="combine", **bad),
+                                  _row(dtype="nvfp4", misplaced_rows=2)], meta={"device": "cpu", "world_size": 2})
+    assert [r.check_failed for r in res.rows] == [False, False, True, True, True]
+    table = res.table()
+    checks = [line.split()[-5] for line in table.splitlines()[2:7]]  # then TFLOP/s, wt GB/s, host us, launches
+    assert checks == ["1.0e-03", "1.0e-03", "FAIL", "FAIL", "MISPLACED"]
+    failed = [line for line in table.splitlines() if line.startswith("# check FAILED: ")]
+    assert len(failed) == 2  # one per run: its dispatch and combine rows share one check
+    assert "tiny gloo-pipeline 1x2 fp8 uniform 8 tokens/rank 16 SMs: round-trip error 3.70e-01" in failed[0]
+    assert failed[0].endswith(where) and "misplaced rows 2" in failed[1]
+
+    monkeypatch.setattr(runner, "EPCluster", FakeCluster)
+    monkeypatch.setattr(runner, "run_bench", lambda cluster, **kw: res)
+    js = tmp_path / "r.json"
+    assert cli.main(["bench", "--preset", "tiny", "--world", "2", "--json", str(js), "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert "# check FAILED: " in captured.out
+    assert "the correctness check failed on 2 run(s)" in captured.err and len(captured.err.splitlines()) == 1
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["check_detail"] for r in rows][2] == where
+    assert bench.BenchResult.from_json(str(js)).rows == res.rows
+
+
+def test_where_a_round_trip_went_wrong():
+    """where_wrong names the tokens and channels off by more than ROUND_TRIP_TOL: a wrong fp8
+    scale shows as one 128-channel group with one ratio, a lost expert share as the whole row
+    with one ratio, and its experts' ranks; a right round trip gives ''."""
+    import torch
+
+    from ray_ep.bench.loops import ROUND_TRIP_TOL, expected_round_trip, where_wrong
+    from ray_ep.inputs import rank_inputs
+
+    cfg = EPConfig(hidden_size=512, n_experts=16, top_k=4, intermediate_size=128, max_tokens_per_rank=64,
+                   gpus_per_node=2, dispatch_dtype="fp8")
+    x, ids, w = rank_inputs(cfg, 16, 0, 3, "uniform")
+    exp = expected_round_trip(x, w, cfg)
+    assert where_wrong(exp.to(torch.bfloat16), x, ids, w, cfg) == ""
+    out = exp.clone()
+    out[5, 128:256] *= 0.5  # one group's scale halved
+    text = where_wrong(out, x, ids, w, cfg)
+    assert text.startswith("1 of 16 tokens wrong; the worst, token 5: ")
+    assert "in 1 group(s) of 128 (1), out / expected 0.5 (0.5 to 0.5)" in text
+    ranks = sorted({int(e) // cfg.experts_per_rank for e in ids[5].tolist() if e >= 0})
+    assert text.endswith(f"its experts on ranks {ranks}")
+    out = exp.clone()
+    share = 1 - w[9, 0] / w[9].sum()  # token 9 without its first expert's share
+    out[9] *= share
+    out[2, 0] += 3 * ROUND_TRIP_TOL * exp.abs().max()  # a smaller error elsewhere
+    text = where_wrong(out, x, ids, w, cfg)  # (token 9's channels near 0 stay within the tolerance)
+    assert text.startswith("2 of 16 tokens wrong; the worst, token 9: ")
+    assert f"channels in 4 group(s) of 128 (0-3), out / expected {share:.3g} ({share:.3g} to {share:.3g})" in text
+
+
 def _assert_dead(actors, within_s: float = 30.0):
     """Every actor stops answering within ``within_s``: ray.kill is asynchronous, so a ping that
     reaches an actor before its kill lands is still answered (seen once in CI); poll until the

@@ -119,6 +119,26 @@ def test_job_unexpected_error_exit_5(job_main, capsys, monkeypatch):
     assert "Traceback" in err and err.strip().splitlines()[-1] == "ray_job: unexpected error (a bug): RuntimeError: a bug"
 
 
+def test_a_failed_benchmark_check_exits_1(ray_session, job_main, capsys, monkeypatch, tmp_path):
+    """The check passes, then a benchmark row's own round-trip check fails (a stand-in
+    benchmark that reports one): both artifacts written, status 1, the last line naming the
+    run and where it went wrong."""
+    from ray_ep import bench
+
+    row = bench.BenchRow(preset="tiny", backend="ray_ep", op="dispatch", dtype="fp8", routing="uniform", tokens=32,
+                         world_size=2, sms="16", median_us=1.0, p10_us=1.0, p90_us=1.0, per_rank_median_us=[1.0, 1.0],
+                         remote_gbps=1.0, received_gbps=1.0, check_error=0.37, topology="1x2",
+                         check_detail="rank 1: 1 of 32 tokens wrong")
+    monkeypatch.setattr(bench, "run_bench", lambda ep, **kw: bench.BenchResult(rows=[row]))
+    out = tmp_path / "artifacts"
+    assert job_main(["--config", str(REPO / "configs/job-1node.yaml"), "--out", str(out)]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("ray_job: the benchmark's check failed on 1 run(s): tiny ray_ep 1x2 fp8 uniform")
+    assert last.endswith("rank 1: 1 of 32 tokens wrong")
+    assert json.loads((out / "ray_ep_check.json").read_text())["passed"]
+    assert json.loads((out / "ray_ep_bench.json").read_text())["rows"][0]["check_error"] == 0.37
+
+
 @pytest.fixture(scope="module")
 def job_cluster():
     """A local Ray with the dashboard (the Jobs API); yields (dashboard URL or None, GCS

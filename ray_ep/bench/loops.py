@@ -37,6 +37,11 @@ from ..types import DispatchHandle
 
 log = logging.getLogger(__name__)
 
+# The largest error an identity round trip may have, relative to its largest expected value:
+# one bf16 rounding of each partial sum and of the output (H200, deepseek-v3 prefill: 2.8e-3
+# bf16, 4.2e-3 fp8, 5.7e-3 nvfp4). A row above it is a wrong result, not a slow one: the table
+# marks it FAIL, says where it went wrong, and `ray-ep bench` exits with status 1.
+ROUND_TRIP_TOL = 2e-2
 SLEEP_CYCLES = 4_000_000  # ~2 ms at H100/H200 clocks: the host queues a whole phase meanwhile
 LAUNCH_TIMING_ITERS = 5  # calls after the timed ones, each launch between a pair of marks
 
@@ -66,6 +71,8 @@ class RankTimes:
     """Eager layer rows: per call, the host's time from calling the layer to its return (its
     launches from Python; nothing in it waits for the device): a row whose host time reaches its
     device time is bound by the host."""
+    check_detail: str = ""
+    """A failed check (error above ROUND_TRIP_TOL, or misplaced rows): where (:func:`where_wrong`)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,27 +114,70 @@ def round_trip_error(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: E
     return ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item()
 
 
-def round_trip_figures(h: DispatchHandle, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: EPConfig,
-                       rank: int) -> tuple[float, int, int, int]:
-    """(round-trip error, misplaced rows, rows sent to other ranks, rows received) of one
-    checked dispatch + identity-expert combine."""
+def _spans(values: list[int], most: int = 6) -> str:
+    """Sorted ints as ranges, "0-3, 7, 9-12", at most ``most`` of them ("... (n ranges)")."""
+    spans: list[list[int]] = []
+    for v in values:
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans[:most])
+    return text + (f", ... ({len(spans)} ranges)" if len(spans) > most else "")
+
+
+def where_wrong(out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, cfg: EPConfig) -> str:
+    """Where a round trip is wrong, in one line: how many tokens, and for the worst one which
+    channels (by groups of FP8_GROUP: a group or a few alone point at fp8 scales), the ratio of
+    its output to the expected value over them (one ratio across the whole row: a share of one
+    expert lost or doubled; ratios all over: another token's data) and the ranks its experts
+    live on. Empty when every value is within ROUND_TRIP_TOL."""
+    if not x.shape[0]:
+        return ""
+    exp = expected_round_trip(x, w, cfg)
+    err = (out.float() - exp).abs() / exp.abs().max().clamp_min(1e-6)
+    wrong = err > ROUND_TRIP_TOL
+    if not bool(wrong.any()):
+        return ""
+    t = int(err.amax(dim=1).argmax())
+    cols = wrong[t].nonzero().flatten()
+    groups = torch.unique(cols // FP8_GROUP).tolist()
+    known = cols[exp[t, cols] != 0]
+    ratio = (out[t, known].float() / exp[t, known]).cpu() if known.numel() else torch.zeros(1)
+    ranks = sorted({int(e) // cfg.experts_per_rank for e in ids[t].tolist() if 0 <= e < cfg.n_experts})
+    return (f"{int(wrong.any(dim=1).sum())} of {x.shape[0]} tokens wrong; the worst, token {t}: {cols.numel()} of "
+            f"{x.shape[1]} channels in {len(groups)} group(s) of {FP8_GROUP} ({_spans(groups)}), out / expected "
+            f"{ratio.median():.3g} ({ratio.min():.3g} to {ratio.max():.3g}), its experts on ranks {ranks}")
+
+
+def round_trip_figures(h: DispatchHandle, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                       cfg: EPConfig, rank: int) -> tuple[float, int, int, int, str]:
+    """(round-trip error, misplaced rows, rows sent to other ranks, rows received, where it
+    failed: :func:`where_wrong`, '' when it passed) of one checked dispatch + identity-expert
+    combine."""
     remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
-    return (round_trip_error(out, x, w, cfg), misplaced_rows(h, cfg, rank), remote,
-            int(h.recv.recv_counts_R.sum()))
+    err, bad = round_trip_error(out, x, w, cfg), misplaced_rows(h, cfg, rank)
+    detail = where_wrong(out, x, ids, w, cfg) if err > ROUND_TRIP_TOL else ""
+    if bad:
+        detail = f"{bad} expert-major rows of tokens that did not choose the expert" + (f"; {detail}" if detail else "")
+    return err, bad, remote, int(h.recv.recv_counts_R.sum()), detail
 
 
 def soak(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rounds: int, num_tokens: int,
          routing: str, fused: bool, seed: int = 0) -> dict:
     """``rounds`` dispatch + combine rounds in a row on the same buffers, fresh inputs each
     round, identity experts: the largest round-trip error and misplaced rows seen."""
-    worst, bad = 0.0, 0
+    worst, bad, detail = 0.0, 0, ""
     for i in range(rounds):
         x, ids, w = rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device)
         h = t.dispatch(x, ids, w, fused=fused)
         bad += misplaced_rows(h, cfg, rank)
         out = t.combine(identity_outputs(h), h, torch.bfloat16, fused=fused)
-        worst = max(worst, round_trip_error(out, x, w, cfg))
-    return {"rank": rank, "max_rel_error": worst, "misplaced_rows": bad, "rounds": rounds}
+        err = round_trip_error(out, x, w, cfg)
+        if err > ROUND_TRIP_TOL and not detail:  # the first failed round says where
+            detail = f"round {i}: {where_wrong(out, x, ids, w, cfg)}"
+        worst = max(worst, err)
+    return {"rank": rank, "max_rel_error": worst, "misplaced_rows": bad, "rounds": rounds, "detail": detail}
 
 
 class _Clock:
@@ -163,8 +213,8 @@ def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, 
     # correctness once, before timing
     x, ids, w = inputs[0]
     h = t.dispatch(x, ids, w)
-    err, bad, remote, received = round_trip_figures(h, t.combine(identity_outputs(h), h, torch.bfloat16), x, w, cfg,
-                                                    rank)
+    err, bad, remote, received, detail = round_trip_figures(h, t.combine(identity_outputs(h), h, torch.bfloat16), x,
+                                                            ids, w, cfg, rank)
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"dispatch": [], "combine": []}
     launches = {}
@@ -175,7 +225,8 @@ def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, 
                 if i >= warmup:
                     times[op].append(us)
         launch_us = launch_times(t, inputs, clock, fused)
-    return RankTimes(rank, times, remote, received, err, bad, launches=launches, launch_us=launch_us)
+    return RankTimes(rank, times, remote, received, err, bad, launches=launches, launch_us=launch_us,
+                     check_detail=detail)
 
 
 def _round_trip(t: Transport, clock: _Clock, inputs: tuple, fused: bool, timed: bool = False) -> dict[str, tuple]:
@@ -227,7 +278,7 @@ def bench_comm_graphs(t: Transport, cfg: EPConfig, rank: int, device: torch.devi
             out = t.combine(y, h, torch.bfloat16, fused=fused)
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"dispatch": [], "combine": []}
-    err, bad, remote, received = 0.0, 0, 0, 0
+    err, bad, remote, received, detail = 0.0, 0, 0, 0, ""
     for i in range(warmup + iters):
         xi, idsi, wi = inputs[i % sets]
         x.copy_(xi)
@@ -242,11 +293,11 @@ def bench_comm_graphs(t: Transport, cfg: EPConfig, rank: int, device: torch.devi
         c_us = clock.stop(s)
         t.check_status()  # a timeout or overflow flagged during the replays
         if i == 0:
-            err, bad, remote, received = round_trip_figures(h, out, xi, wi, cfg, rank)
+            err, bad, remote, received, detail = round_trip_figures(h, out, xi, idsi, wi, cfg, rank)
         if i >= warmup:
             times["dispatch"].append(d_us)
             times["combine"].append(c_us)
-    return RankTimes(rank, times, remote, received, err, bad)
+    return RankTimes(rank, times, remote, received, err, bad, check_detail=detail)
 
 
 def expert_flops(cfg: EPConfig, expert_rows: int, num_tokens: int) -> int:

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from ..config import EPConfig, describe_config_error
 from ..driver import EPCluster
 from ..errors import EPInputError
-from .loops import row_bytes, run_row
+from .loops import ROUND_TRIP_TOL, row_bytes, run_row
 
 # docs/benchmarking.md presets: model preset, tokens per rank, dispatch dtypes
 BENCH_PRESETS: dict[str, dict[str, Any]] = {
@@ -95,6 +95,14 @@ class BenchRow:
     host_us: float | None = None
     """Eager layer and experts rows: the slowest rank's median host time from calling the layer
     to its return (its launches from Python); at or above median_us the row is host-bound."""
+    check_detail: str = ""
+    """A failed check: where, per rank ("rank 2: 3 of 4096 tokens wrong; ...", see
+    :func:`ray_ep.bench.loops.where_wrong`); empty when it passed."""
+
+    @property
+    def check_failed(self) -> bool:
+        """A checked row whose round trip is off by more than ROUND_TRIP_TOL or misplaced rows."""
+        return self.check_error is not None and (self.check_error > ROUND_TRIP_TOL or self.misplaced_rows > 0)
 
     @property
     def sms_used(self) -> str:
@@ -120,7 +128,8 @@ class BenchResult:
                 f"{'check':>10}{'TFLOP/s':>9}{'wt GB/s':>9}{'host us':>9} {'us per launch':>14}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
-            chk = "-" if r.check_error is None else (f"{r.check_error:.1e}" if r.misplaced_rows == 0 else "MISPLACED")
+            chk = ("-" if r.check_error is None else "MISPLACED" if r.misplaced_rows else "FAIL" if r.check_failed
+                   else f"{r.check_error:.1e}")
             tf = "-" if r.tflops is None else f"{r.tflops:.1f}"
             wg = "-" if r.weight_gbps is None else f"{r.weight_gbps:.0f}"
             hu = "-" if r.host_us is None else f"{r.host_us:.0f}"
@@ -136,7 +145,21 @@ class BenchResult:
             lines.append(f"# {self.meta.get('device', '?')} x{self.meta.get('world_size', '?')}, "
                          f"commit {self.meta.get('commit', '?')}, {self.meta.get('iters', '?')} iterations, "
                          f"combine by {self.meta.get('combine_mode', 'push')}")
+        lines += [f"# check FAILED: {where}" for where in self.failed_checks()]
         return "\n".join(lines)
+
+    def failed_checks(self) -> list[str]:
+        """One line per failed check (the dispatch and combine rows of a run share theirs):
+        the run, the error against ROUND_TRIP_TOL, and where each rank went wrong."""
+        seen: dict[tuple, str] = {}
+        for r in self.rows:
+            if r.check_failed:
+                run = (r.preset, r.backend, r.topology, r.dtype, r.routing, r.tokens, r.sms)
+                seen.setdefault(run, f"{r.preset} {r.backend} {r.topology} {r.dtype} {r.routing} {r.tokens} tokens/rank "
+                                     f"{r.sms} SMs: round-trip error {r.check_error:.2e} (tolerance {ROUND_TRIP_TOL:.0e})"
+                                     f"{', misplaced rows ' + str(r.misplaced_rows) if r.misplaced_rows else ''}"
+                                     f"; {r.check_detail or 'no detail recorded'}")
+        return list(seen.values())
 
     def to_json(self, path: str) -> None:
         with open(path, "w") as f:
@@ -362,6 +385,8 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
                     remote_gbps=remote / slowest / 1e3 if slowest else 0.0,
                     received_gbps=received / slowest / 1e3 if slowest else 0.0,
                     check_error=max(checks) if op in ("dispatch", "combine") else None,
+                    check_detail="; ".join(f"rank {r['rank']}: {r['check_detail']}" for r in per_rank
+                                           if r.get("check_detail")) if op in ("dispatch", "combine") else "",
                     misplaced_rows=sum(r["misplaced_rows"] for r in per_rank),
                     launches=[list(x) for x in per_rank[0].get("launches", {}).get(op, [])],
                     launch_us=_slowest_per_launch([r.get("launch_us", {}).get(op, []) for r in per_rank]),
@@ -806,4 +831,8 @@ def run_from_args(args) -> int:
             print(f"ray-ep bench: the plot failed ({type(e).__name__}: {e}); the table is above"
                   + (f", the figures in {args.json}" if args.json else ""), file=sys.stderr)
             return 1
+    if failed := res.failed_checks():
+        print(f"ray-ep bench: the correctness check failed on {len(failed)} run(s) (FAIL or MISPLACED in the "
+              f"table, where under it): their times are of wrong results", file=sys.stderr)
+        return 1
     return 0
