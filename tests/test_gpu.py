@@ -150,11 +150,26 @@ def test_prefill_bench_checks_under_sm_budgets(cluster):
     # docs/perf.md; 2x H200 once), with no misplaced row, and never with bf16 or nvfp4: a wrong
     # value the kernel tests, the soak (256 tokens) and the 600-token budget case never showed.
     # A failed check names its tokens, channels and the ratio to the expected value.
+    # Then fresh groups at 16 SMs, 5 rounds each: a failure in round 0 only would point at a
+    # group's first 4096-token round (its first launch of the chunked send, compiled then).
+    failed = []
     for attempt in range(2):
         res = run_bench(cluster, presets=["deepseek-v3-prefill"], backends=["nvshmem"], dtypes=["fp8", "bf16"],
                         num_sms=[None, 24, 16], iters=2, warmup=1, baselines=False, progress=False, seed=attempt)
         assert len(res.rows) == 12
-        assert not res.failed_checks(), f"attempt {attempt}:\n" + "\n".join(res.failed_checks())
+        failed += [f"bench {attempt}: {line}" for line in res.failed_checks()]
+    cfg = _group_cfg(cluster, "deepseek-v3", "fp8", num_sms=16, max_tokens_per_rank=4096)
+    for attempt in range(3):
+        name = f"test/bench-sequence/{attempt}"
+        cluster.call_workers("add_group", name, cfg)
+        try:
+            soak = cluster.run(run_row, "soak", group=name, rounds=5, num_tokens=4096, routing="uniform", fused=True)
+        finally:
+            cluster.call_workers("drop_group", name)
+        failed += [f"soak {attempt} rank {r['rank']}: {r['detail']}" for r in soak if r["detail"]]
+        failed += [f"soak {attempt} rank {r['rank']}: {r['misplaced_rows']} misplaced rows" for r in soak
+                   if r["misplaced_rows"]]
+    assert not failed, "\n".join(failed)
 
 
 # fp8 experts (e4m3 weights, one scale per 128 x 128 block; activations quantised per 128
