@@ -85,6 +85,10 @@ def test_bench_layer_rows_by_expert_dtype(ray_session, tmp_path, capsys):
         assert (r["weight_gbps"] is not None and r["weight_gbps"] > 0) == gemm
         # TFLOP/s: the GEMMs' work for GEMM rows, the experts' whole work for layer / experts rows
         assert (r["tflops"] is not None and r["tflops"] > 0) == (r["op"] not in ("dispatch", "combine"))
+    # the pipelined layer against the serial one, within its expert dtype's tolerance
+    checked = {r["experts"]: (r["check_error"], r["check_tol"]) for r in rows if r["op"] == "layer-mb2"}
+    assert {e: tol for e, (_, tol) in checked.items()} == {"bf16": 2e-2, "fp8": 5e-2}
+    assert all(err <= tol for err, tol in checked.values())
     out = capsys.readouterr().out
     assert "gemm-torch" in out or not have_bf16
     assert cli.main(["bench", "--backend", "torch", "--preset", "tiny", "--expert-dtype", "fp4", "--quiet"]) == 2
@@ -193,6 +197,10 @@ def test_layer_rows_with_experts_alone(ray_session, tmp_path, capsys):
     for op in ("layer", "experts", "layer-mb2"):
         assert 0 < rows[op]["host_us"] <= rows[op]["median_us"] * 1.05, rows[op]
     assert rows["dispatch"]["host_us"] is None and "host us" in out.splitlines()[0]
+    # the pipelined layer is checked against the serial layer on the same input; the serial
+    # layer and the experts alone are not checked here (the serial layer: in the GPU suite)
+    assert 0 <= rows["layer-mb2"]["check_error"] <= 2e-2 and rows["layer-mb2"]["check_detail"] == ""
+    assert rows["layer"]["check_error"] is None and rows["experts"]["check_error"] is None
 
 
 def test_expert_flops_counts_routed_rows_and_shared_experts():
@@ -396,16 +404,19 @@ def test_a_failed_check_says_where_and_fails_the_command(monkeypatch, tmp_path, 
     and JSON kept, exit status 1. A passing run keeps its figure, a misplaced row MISPLACED."""
     where = "rank 1: 3 of 8 tokens wrong; the worst, token 5: 128 of 256 channels in 1 group(s) of 128 (1)"
     bad = {"dtype": "fp8", "sms": "16", "check_error": 0.37, "check_detail": where}
+    layer = {"op": "layer-mb2", "experts": "fp8", "check_error": 0.05, "check_detail": "rank 0: 1 of 8 tokens wrong"}
     res = bench.BenchResult(rows=[_row(), _row(op="combine"), _row(**bad), _row(op="combine", **bad),
-                                  _row(dtype="nvfp4", misplaced_rows=2)], meta={"device": "cpu", "world_size": 2})
-    assert [r.check_failed for r in res.rows] == [False, False, True, True, True]
+                                  _row(dtype="nvfp4", misplaced_rows=2), _row(op="layer", check_error=None),
+                                  _row(**layer)], meta={"device": "cpu", "world_size": 2})
+    assert [r.check_failed for r in res.rows] == [False, False, True, True, True, False, True]
     table = res.table()
-    checks = [line.split()[-5] for line in table.splitlines()[2:7]]  # then TFLOP/s, wt GB/s, host us, launches
-    assert checks == ["1.0e-03", "1.0e-03", "FAIL", "FAIL", "MISPLACED"]
+    checks = [line.split()[-5] for line in table.splitlines()[2:9]]  # then TFLOP/s, wt GB/s, host us, launches
+    assert checks == ["1.0e-03", "1.0e-03", "FAIL", "FAIL", "MISPLACED", "-", "FAIL"]
     failed = [line for line in table.splitlines() if line.startswith("# check FAILED: ")]
-    assert len(failed) == 2  # one per run: its dispatch and combine rows share one check
+    assert len(failed) == 3  # one per run (its dispatch and combine rows share one check), one per layer row
     assert "tiny gloo-pipeline 1x2 fp8 uniform 8 tokens/rank 16 SMs: round-trip error 3.70e-01" in failed[0]
     assert failed[0].endswith(where) and "misplaced rows 2" in failed[1]
+    assert "layer-mb2 (fp8 experts) against the serial layer: difference 5.00e-02" in failed[2]
 
     monkeypatch.setattr(runner, "EPCluster", FakeCluster)
     monkeypatch.setattr(runner, "run_bench", lambda cluster, **kw: res)
@@ -413,7 +424,7 @@ def test_a_failed_check_says_where_and_fails_the_command(monkeypatch, tmp_path, 
     assert cli.main(["bench", "--preset", "tiny", "--world", "2", "--json", str(js), "--quiet"]) == 1
     captured = capsys.readouterr()
     assert "# check FAILED: " in captured.out
-    assert "the correctness check failed on 2 run(s)" in captured.err and len(captured.err.splitlines()) == 1
+    assert "the correctness check failed on 3 run(s)" in captured.err and len(captured.err.splitlines()) == 1
     rows = json.loads(js.read_text())["rows"]
     assert [r["check_detail"] for r in rows][2] == where
     assert bench.BenchResult.from_json(str(js)).rows == res.rows

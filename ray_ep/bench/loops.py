@@ -9,7 +9,8 @@ the figure (production decode replays CUDA graphs). On CPU the host clock is use
 
 Correctness before timing: each rank checks its own round trip with identity experts
 (``combine(dispatch(x))`` must equal ``x * sum(weights)``) and that every expert-major row
-belongs to a token that chose that expert.
+belongs to a token that chose that expert. Layer rows: each pipelined or graph-replayed layer
+against the serial layer on the same input.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ log = logging.getLogger(__name__)
 # bf16, 4.2e-3 fp8, 5.7e-3 nvfp4). A row above it is a wrong result, not a slow one: the table
 # marks it FAIL, says where it went wrong, and `ray-ep bench` exits with status 1.
 ROUND_TRIP_TOL = 2e-2
+# A layer's output against the serial layer's on the same input, by expert dtype: the same
+# math in another schedule, but a GEMM tile chosen for fewer rows sums in another order, and
+# where that tips a bf16 rounding of an fp8 expert's gate_up output, its SwiGLU value lands on
+# the next e4m3 step (2^-3 of it), a few percent of the largest output (tests/test_gpu.py's
+# FP8_EXPERTS_TOL)
+LAYER_TOL = {"bf16": ROUND_TRIP_TOL, "fp8": 5e-2}
 SLEEP_CYCLES = 4_000_000  # ~2 ms at H100/H200 clocks: the host queues a whole phase meanwhile
 LAUNCH_TIMING_ITERS = 5  # calls after the timed ones, each launch between a pair of marks
 
@@ -73,6 +80,12 @@ class RankTimes:
     device time is bound by the host."""
     check_detail: str = ""
     """A failed check (error above ROUND_TRIP_TOL, or misplaced rows): where (:func:`where_wrong`)."""
+    layer_checks: dict[str, float] = field(default_factory=dict)
+    """Layer rows other than the serial layer (micro-batched, replayed from CUDA graphs): the
+    largest difference of the op's output from the serial layer's on the same input, relative to
+    the serial layer's largest value (:func:`layer_difference`)."""
+    layer_check_details: dict[str, str] = field(default_factory=dict)
+    """The same ops: where the output differs, if by more than LAYER_TOL of the expert dtype."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,16 +140,22 @@ def _spans(values: list[int], most: int = 6) -> str:
 
 
 def where_wrong(out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, cfg: EPConfig) -> str:
-    """Where a round trip is wrong, in one line: how many tokens, and for the worst one which
-    channels (by groups of FP8_GROUP: a group or a few alone point at fp8 scales), the ratio of
-    its output to the expected value over them (one ratio across the whole row: a share of one
-    expert lost or doubled; ratios all over: another token's data) and the ranks its experts
-    live on. Empty when every value is within ROUND_TRIP_TOL."""
-    if not x.shape[0]:
+    """Where a round trip is wrong, in one line (:func:`where_off` against its expected value)."""
+    return where_off(out, expected_round_trip(x, w, cfg), ids, cfg) if x.shape[0] else ""
+
+
+def where_off(out: torch.Tensor, exp: torch.Tensor, ids: torch.Tensor, cfg: EPConfig, tol: float = ROUND_TRIP_TOL
+              ) -> str:
+    """Where ``out`` [T, H] is off ``exp``, in one line: how many tokens, and for the worst one
+    which channels (by groups of FP8_GROUP: a group or a few alone point at fp8 scales), the
+    ratio of its output to the expected value over them (one ratio across the whole row: a share
+    of one expert lost or doubled; ratios all over: another token's data) and the ranks its
+    experts (``ids``) live on. Empty when every value is within ``tol`` of the largest."""
+    if not exp.shape[0]:
         return ""
-    exp = expected_round_trip(x, w, cfg)
+    exp = exp.float()
     err = (out.float() - exp).abs() / exp.abs().max().clamp_min(1e-6)
-    wrong = err > ROUND_TRIP_TOL
+    wrong = err > tol
     if not bool(wrong.any()):
         return ""
     t = int(err.amax(dim=1).argmax())
@@ -145,8 +164,8 @@ def where_wrong(out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, w: torch.
     known = cols[exp[t, cols] != 0]
     ratio = (out[t, known].float() / exp[t, known]).cpu() if known.numel() else torch.zeros(1)
     ranks = sorted({int(e) // cfg.experts_per_rank for e in ids[t].tolist() if 0 <= e < cfg.n_experts})
-    return (f"{int(wrong.any(dim=1).sum())} of {x.shape[0]} tokens wrong; the worst, token {t}: {cols.numel()} of "
-            f"{x.shape[1]} channels in {len(groups)} group(s) of {FP8_GROUP} ({_spans(groups)}), out / expected "
+    return (f"{int(wrong.any(dim=1).sum())} of {exp.shape[0]} tokens wrong; the worst, token {t}: {cols.numel()} of "
+            f"{exp.shape[1]} channels in {len(groups)} group(s) of {FP8_GROUP} ({_spans(groups)}), out / expected "
             f"{ratio.median():.3g} ({ratio.min():.3g} to {ratio.max():.3g}), its experts on ranks {ranks}")
 
 
@@ -323,8 +342,13 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
     Then, on the rows and weights of the last round: ``gemm``, this rank's two expert GEMMs
     (gate_up over the dispatched rows, down over the SwiGLU output) as the layer runs them;
     and ``gemm-torch``, torch's own grouped GEMM over the same rows and weights
-    (:func:`torch_expert_gemms`), where this torch build has one for the weights' dtype."""
+    (:func:`torch_expert_gemms`), where this torch build has one for the weights' dtype.
+
+    Each layer other than the serial one is checked against it on the same input, at the second
+    iteration (the first replay of a graph, whose first call captures): ``layer_checks``."""
     inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device) for i in range(sets)]
+    check_at = min(1, warmup + iters - 1)
+    outs: dict[str, torch.Tensor] = {}  # each layer's output at check_at
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"layer": [], "experts": []}
     host_us: dict[str, list[float]] = {}
@@ -358,17 +382,23 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
         for i in range(warmup + iters):
             x, ids, w = inputs[i % sets]
             keep = i >= warmup
-            _, h = timed("layer", lambda: moe_layer(t, scratch, experts, x, ids, w, torch.bfloat16), keep)
+            out, h = timed("layer", lambda: moe_layer(t, scratch, experts, x, ids, w, torch.bfloat16), keep)
+            if i == check_at:
+                outs["layer"] = out.clone()
             # the dispatched rows stay in the buffers until the next dispatch, which no rank
             # starts before the next iteration's barriers
             timed("experts", lambda: (run_experts(handle=h, experts=experts, scratch=scratch),
                                       shared_experts(x, experts)), keep)
             if micro is not None:
-                timed(f"layer-mb{len(micro[0])}",
-                      lambda: moe_micro_batched(micro[0], micro[1], experts, x, ids, w, torch.bfloat16), keep)
+                op = f"layer-mb{len(micro[0])}"
+                out = timed(op, lambda: moe_micro_batched(micro[0], micro[1], experts, x, ids, w, torch.bfloat16), keep)
+                if i == check_at:
+                    outs[op] = out.clone()
             for op, (graphs, fn, used) in replayed.items():  # the first call of each captures
                 # a replay checks its flags on the host (a sync): no host time to report
-                timed(op, lambda: graphs.moe(op, fn, x, ids, w, transports=used), keep, eager=False)
+                out = timed(op, lambda: graphs.moe(op, fn, x, ids, w, transports=used), keep, eager=False)
+                if i == check_at:
+                    outs[op] = out.clone()
             if i == 0:
                 remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
                 received = int(h.recv.recv_counts_R.sum())
@@ -391,7 +421,22 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
     wbytes = sum(w.numel() * w.element_size() for w in (experts.w_gate_up_LHF2, experts.w_down_LFH,
                                                          experts.w_gate_up_scales, experts.w_down_scales)
                  if w is not None)
-    return RankTimes(rank, times, remote, received, 0.0, 0, flops, gemm_flops, wbytes, host_us=host_us)
+    ids = inputs[check_at % sets][1]
+    serial = outs.pop("layer")
+    tol = LAYER_TOL[cfg.expert_dtype]
+    checks = {op: layer_difference(out, serial) for op, out in outs.items()}
+    details = {op: where_off(outs[op], serial, ids, cfg, tol) for op, d in checks.items() if d > tol}
+    return RankTimes(rank, times, remote, received, 0.0, 0, flops, gemm_flops, wbytes, host_us=host_us,
+                     layer_checks=checks, layer_check_details=details)
+
+
+def layer_difference(out: torch.Tensor, serial: torch.Tensor) -> float:
+    """The largest difference of a layer's output from the serial layer's on the same input,
+    relative to the serial layer's largest value (the same math in another schedule: up to a
+    bf16 rounding where sums run in another order)."""
+    if not serial.shape[0]:
+        return 0.0
+    return ((out.float() - serial.float()).abs().max() / serial.float().abs().max().clamp_min(1e-6)).item()
 
 
 def expert_gemms(h: DispatchHandle, experts, scratch):

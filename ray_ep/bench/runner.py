@@ -29,7 +29,7 @@ from tqdm import tqdm
 from ..config import EPConfig, describe_config_error
 from ..driver import EPCluster
 from ..errors import EPInputError
-from .loops import ROUND_TRIP_TOL, row_bytes, run_row
+from .loops import LAYER_TOL, ROUND_TRIP_TOL, row_bytes, run_row
 
 # docs/benchmarking.md presets: model preset, tokens per rank, dispatch dtypes
 BENCH_PRESETS: dict[str, dict[str, Any]] = {
@@ -95,14 +95,17 @@ class BenchRow:
     host_us: float | None = None
     """Eager layer and experts rows: the slowest rank's median host time from calling the layer
     to its return (its launches from Python); at or above median_us the row is host-bound."""
+    check_tol: float = ROUND_TRIP_TOL
+    """The largest check_error that passes: ROUND_TRIP_TOL, or a layer row's LAYER_TOL."""
     check_detail: str = ""
     """A failed check: where, per rank ("rank 2: 3 of 4096 tokens wrong; ...", see
     :func:`ray_ep.bench.loops.where_wrong`); empty when it passed."""
 
     @property
     def check_failed(self) -> bool:
-        """A checked row whose round trip is off by more than ROUND_TRIP_TOL or misplaced rows."""
-        return self.check_error is not None and (self.check_error > ROUND_TRIP_TOL or self.misplaced_rows > 0)
+        """A checked row off by more than check_tol (its round trip, or a layer's output
+        against the serial layer's), or with misplaced rows."""
+        return self.check_error is not None and (self.check_error > self.check_tol or self.misplaced_rows > 0)
 
     @property
     def sms_used(self) -> str:
@@ -149,14 +152,19 @@ class BenchResult:
         return "\n".join(lines)
 
     def failed_checks(self) -> list[str]:
-        """One line per failed check (the dispatch and combine rows of a run share theirs):
-        the run, the error against ROUND_TRIP_TOL, and where each rank went wrong."""
+        """One line per failed check (the dispatch and combine rows of a run share their round
+        trip; a micro-batched or graph-replayed layer row is checked against the serial layer):
+        the run, the error against its tolerance, and where each rank went wrong."""
         seen: dict[tuple, str] = {}
         for r in self.rows:
             if r.check_failed:
-                run = (r.preset, r.backend, r.topology, r.dtype, r.routing, r.tokens, r.sms)
+                # the dispatch and combine rows of a run share one round trip; a layer row has its own
+                layer = "" if r.op in ("dispatch", "combine") else r.op
+                run = (r.preset, r.backend, r.topology, r.dtype, r.routing, r.tokens, r.sms, layer, r.experts)
+                what = (f"{layer} ({r.experts} experts) against the serial layer: difference"
+                        if layer else "round-trip error")
                 seen.setdefault(run, f"{r.preset} {r.backend} {r.topology} {r.dtype} {r.routing} {r.tokens} tokens/rank "
-                                     f"{r.sms} SMs: round-trip error {r.check_error:.2e} (tolerance {ROUND_TRIP_TOL:.0e})"
+                                     f"{r.sms} SMs: {what} {r.check_error:.2e} (tolerance {r.check_tol:.0e})"
                                      f"{', misplaced rows ' + str(r.misplaced_rows) if r.misplaced_rows else ''}"
                                      f"; {r.check_detail or 'no detail recorded'}")
         return list(seen.values())
@@ -384,13 +392,29 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
                     median_us=slowest, p10_us=_pct(samples, 0.1), p90_us=_pct(samples, 0.9), per_rank_median_us=medians,
                     remote_gbps=remote / slowest / 1e3 if slowest else 0.0,
                     received_gbps=received / slowest / 1e3 if slowest else 0.0,
-                    check_error=max(checks) if op in ("dispatch", "combine") else None,
-                    check_detail="; ".join(f"rank {r['rank']}: {r['check_detail']}" for r in per_rank
-                                           if r.get("check_detail")) if op in ("dispatch", "combine") else "",
+                    **_check_fields(per_rank, op, cfg),
                     misplaced_rows=sum(r["misplaced_rows"] for r in per_rank),
                     launches=[list(x) for x in per_rank[0].get("launches", {}).get(op, [])],
                     launch_us=_slowest_per_launch([r.get("launch_us", {}).get(op, []) for r in per_rank]),
                     host_us=_slowest_median([r.get("host_us", {}).get(op, []) for r in per_rank]), **gemm, **labels)
+
+
+def _check_fields(per_rank: list[dict], op: str, cfg: EPConfig) -> dict:
+    """check_error and check_detail of an op's row: the round trip of dispatch and combine
+    rows; for a layer other than the serial one, its difference from the serial layer; else
+    none (check_error None)."""
+    tol = ROUND_TRIP_TOL
+    if op in ("dispatch", "combine"):
+        errors = [r["check_error"] for r in per_rank]
+        details = [r.get("check_detail", "") for r in per_rank]
+    elif per_rank and all(op in r.get("layer_checks", {}) for r in per_rank):
+        errors = [r["layer_checks"][op] for r in per_rank]
+        details = [r.get("layer_check_details", {}).get(op, "") for r in per_rank]
+        tol = LAYER_TOL[cfg.expert_dtype]
+    else:
+        return {"check_error": None}
+    return {"check_error": max(errors), "check_tol": tol, "check_detail": "; ".join(
+        f"rank {r['rank']}: {d}" for r, d in zip(per_rank, details) if d)}
 
 
 def _slowest_median(per_rank: list[list[float]]) -> float | None:
