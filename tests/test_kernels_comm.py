@@ -737,11 +737,12 @@ def test_large_batches_under_an_sm_budget(nodes, dispatch, combine, budget):
 
 
 def test_budgeted_fp8_send_in_the_gpus_whole_steps(monkeypatch):
-    """The fp8 send under an SM budget that binds it by its SMs takes 16 rows a program and a
-    step that divides H (on 4x H200 at 16 SMs: 16 x 1024 of deepseek-v3's 7168 channels, rows
-    read as words); the interpreter's own tile is whole rows. Forced here: 16 rows, steps of 256
-    over H 1792 (7 steps a row), chunked layout on 4 ranks, against the reference. (That form's
-    check failed now and then on 4x H200 since v27 of docs/perf.md; this rules out its logic.)"""
+    """The fp8 send in the whole-step form it took from v27 to v41 under a budget that binds
+    it by its SMs (on 4x H200 at 16 SMs: 16 rows x 1024 of deepseek-v3's 7168 channels, rows
+    read as words), whose checks failed now and then on 4x H200 (docs/perf.md v42; the send no
+    longer picks it for fp8): its logic is right. The interpreter's own tile is whole rows;
+    forced here: 16 rows, steps of 256 over H 1792 (7 steps a row), chunked layout on 4 ranks,
+    against the reference."""
     real = D._send_tile
 
     def gpu_tile(cfg, device, budget, tokens=None):
@@ -1113,16 +1114,17 @@ def test_tiles_under_an_sm_budget(monkeypatch, R, sum_channels):
 @pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
 def test_quantising_sends_take_steps_that_divide_h(monkeypatch, dtype):
     # a thread pays for its step's channels past H too: deepseek-v3's 7168 channels are 3.5
-    # steps of 2048, so a quantising send under a budget that binds it by its SMs halves its
-    # step and doubles its rows (the same threads), and so does nvfp4's with every SM; decode
-    # keeps its wide steps. Past that budget (budget x (R - 1) / R > 12) the wide steps stay.
+    # steps of 2048, so nvfp4's send under a budget that binds it by its SMs halves its step
+    # and doubles its rows (the same threads), and so it does with every SM; decode keeps its
+    # wide steps. Past that budget (budget x (R - 1) / R > 12) the wide steps stay. fp8's send
+    # keeps 8 rows x 2048 under every budget (its 16-row whole steps failed checks on 4x H200)
     from ray_ep.kernels import _util
 
     monkeypatch.setattr(_util, "interpreted", lambda: False)
     monkeypatch.setattr(D, "interpreted", lambda: False)
     cfg = EPConfig.preset("deepseek-v3", gpus_per_node=4, dispatch_dtype=dtype, max_tokens_per_rank=4096)
     cpu = torch.device("cpu")  # a GPU of 4 SMs, as above
-    budget_tile = {"fp8": (16, 1024, 32), "nvfp4": (16, 1024, 16)}[dtype]
+    budget_tile = {"fp8": (8, 2048, 32), "nvfp4": (16, 1024, 16)}[dtype]
     wide_tile = {"fp8": (8, 2048, 32), "nvfp4": (8, 2048, 16)}[dtype]
     assert D._send_tile(cfg, cpu, 16, 4096) == D._send_tile(cfg, cpu, 16) == budget_tile
     assert D._send_tile(cfg, cpu, 20, 4096) == D._send_tile(cfg, cpu, 24) == wide_tile

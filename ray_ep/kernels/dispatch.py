@@ -580,9 +580,16 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
     pairs at 4096 channels and 4 warps, 8 x 4096 at 32 warps, 166.9 / 264.1; pairs at 2048
     and 2 warps, 8 x 2048 at 16 warps, **165.4 / 241.4**; 1024 at 1 warp 167.7. Decode keeps
     4096 channels at 4 warps (from CUDA graphs 21.7 us against 21.5 a block per thread;
-    2048 at 2 warps 25.0). Quantising sends under a budget, and nvfp4's with every SM, then
-    take steps that divide H (:func:`_whole_steps`), under a budget only while the send is
-    bound by its SMs (:func:`_bound_by_its_sms`).
+    2048 at 2 warps 25.0). nvfp4's send under a budget that binds it by its SMs
+    (:func:`_bound_by_its_sms`), and with every SM, then takes steps that divide H
+    (:func:`_whole_steps`).
+
+    fp8's send keeps its 8 rows x 2048 channels under every budget. With whole steps (16 x 1024,
+    v27 to v41 at 16 SMs on 4 GPUs, up to 24 on 2) its round trip came out wrong in 12 of 28
+    benchmark checks on 4x H200 at 16 SMs (errors 0.13-0.63 of the largest value, no row
+    misplaced; docs/perf.md v42), never in the 8-row form (58 runs at 16 and 24 SMs) nor in
+    nvfp4's whole steps; the cause is not found yet. The cost, v27's 4x H200 call at 16 SMs:
+    351.0 us against 347.0 (both reading fp8 rows as words).
     """
     multiple = {"fp8": FP8_GROUP, "nvfp4": 32}.get(cfg.dispatch_dtype, 8)
     rows, step, warps = comm_tile(cfg.hidden_size, device, budget, "dispatch", multiple=multiple, tokens=tokens)
@@ -595,7 +602,7 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
         channels = COMM_WARPS * 32 * (2 if decode else 1) * NVFP4_BLOCK
         step = max(step, min(channels, triton.next_power_of_2(cfg.hidden_size)))
     if budget:
-        whole = _bound_by_its_sms(budget, cfg.world_size)
+        whole = cfg.dispatch_dtype == "nvfp4" and _bound_by_its_sms(budget, cfg.world_size)
     else:
         whole = cfg.dispatch_dtype == "nvfp4" and not decode
     if whole:
@@ -615,7 +622,8 @@ SM_BOUND_PEER_SMS = 12
 
 def _bound_by_its_sms(budget: int, world_size: int) -> bool:
     """Whether a quantising send under ``budget`` SMs is bound by its SMs' instructions, so
-    that its forms in fewer instructions (whole steps, fp8 rows read as words) pay.
+    that its forms in fewer instructions (nvfp4's whole steps, fp8 rows read as words) pay.
+    (fp8's whole steps paid too, but gave wrong rows now and then: see :func:`_send_tile`.)
 
     4x H200, prefill, same call, us at 24 / 16 SMs: fp8 331.2 / 378.8 -> 346.5 / 347.0 with
     whole steps and words (343.8 / 351.0 words alone, 348.1 / 366.6 whole steps alone), nvfp4
