@@ -430,6 +430,16 @@ def test_a_failed_check_says_where_and_fails_the_command(monkeypatch, tmp_path, 
     assert bench.BenchResult.from_json(str(js)).rows == res.rows
 
 
+def test_bench_help_lists_the_exit_statuses(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for line in ("0    every row ran and every check passed", "1    a check failed (FAIL or MISPLACED",
+                 "2    bad flags", "130  Ctrl-C"):
+        assert line in out
+
+
 def test_where_a_round_trip_went_wrong():
     """where_wrong names the tokens and channels off by more than ROUND_TRIP_TOL: a wrong fp8
     scale shows as one 128-channel group with one ratio, a lost expert share as the whole row

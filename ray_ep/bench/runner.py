@@ -675,8 +675,19 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
                 cluster.call_workers("drop_group", name)
 
 
+BENCH_EXIT_STATUSES = """\
+exit status:
+  0    every row ran and every check passed
+  1    a check failed (FAIL or MISPLACED in the table, where under it; the table and --json
+       are written), the plot failed, or a cluster error
+  2    bad flags (one line), or --plot without matplotlib
+  130  Ctrl-C (the workers are stopped)"""
+
+
 def add_arguments(parser) -> None:
     """The flags of ``ray-ep bench`` / ``python -m ray_ep.bench``."""
+    parser.epilog = BENCH_EXIT_STATUSES
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keeps the epilog's lines
     parser.add_argument("--preset", action="append", choices=sorted(BENCH_PRESETS),
                         help="benchmark preset (repeatable); default: deepseek-v3-prefill on GPUs, tiny on CPU")
     from ..cli import positive_int
