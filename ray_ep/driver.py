@@ -45,9 +45,19 @@ log = logging.getLogger(__name__)
 # that the kernels may place differently from the reference; fp32 combine leaves only the
 # bf16 expert activations.
 TOLERANCE = {"bf16": 3e-2, "fp32": 1e-2}
+# fp8 expert weights, whatever the combine dtype: the kernels sum each K block in another order
+# than the reference's fp32 matmul, and where that tips a bf16 rounding of the gate_up output
+# the SwiGLU value, quantised to e4m3, lands on the next step (2^-3 of it): a few elements a
+# few percent of the largest output
+FP8_EXPERTS_TOLERANCE = 5e-2
 OUT_DTYPES = ("bf16", "fp32")  # output dtypes of combine() and forward()
 RESTART_WAIT_S = 15.0  # restart(): longest wait for the killed workers' processes to be gone
 HOST_MEMORY_USABLE = 0.9  # share of a host's available memory the memory check plans with (require_memory)
+
+
+def check_tolerance(cfg: EPConfig) -> float:
+    """The largest relative error :meth:`EPCluster.check` passes for ``cfg``'s layer."""
+    return FP8_EXPERTS_TOLERANCE if cfg.expert_dtype == "fp8" else TOLERANCE[cfg.combine_dtype]
 
 
 @dataclass(frozen=True)
@@ -571,4 +581,4 @@ class EPCluster:
         self._phase = None
         per_rank = [r["rel"] for r in results]
         max_abs = max(r["max_abs"] for r in results)
-        return CheckReport(max_abs, max(per_rank), per_rank, TOLERANCE[cfg.combine_dtype], self.backend or "?", rounds)
+        return CheckReport(max_abs, max(per_rank), per_rank, check_tolerance(cfg), self.backend or "?", rounds)

@@ -828,7 +828,9 @@ class TestFp8Experts:
         cfg = ep_fp8w.config
         w = world_weights(cfg, LAYER0_SEED)
         assert w.fp8 and w.shared_fp8 and w.shared_down.shape[0] == cfg.n_shared_experts > 0
-        assert ep_fp8w.check(num_tokens=[12, 0], routing=routing, seed=70).passed
+        report = ep_fp8w.check(num_tokens=[12, 0], routing=routing, seed=70)
+        # fp8 weights pass at FP8_EXPERTS_TOLERANCE (an e4m3 step of a SwiGLU value on a GPU)
+        assert report.passed and report.tolerance == 5e-2, report.table()
         xs, ids, ws = inputs(cfg, cfg.max_tokens_per_rank, seed=71, routing=routing)
         for fused in (True, False):
             outs = ep_fp8w.forward(xs, ids, ws, fused=fused)
