@@ -19,9 +19,9 @@ import ray
 import torch
 
 from ray_ep import EPCluster, EPConfig, EPTimeoutError
-from ray_ep.driver import FP8_EXPERTS_TOLERANCE
 from ray_ep.bench import run_bench
 from ray_ep.bench.loops import ROUND_TRIP_TOL, run_row
+from ray_ep.driver import FP8_EXPERTS_TOLERANCE
 from ray_ep.kernels.dispatch import SELF_LAYOUT_MAX_T
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -379,7 +379,6 @@ def aggregate(per_rank: list[dict], op: str, cfg: EPConfig, nbytes_per_row: int,
     slowest = max(medians)
     remote = statistics.mean(r["remote_rows"] for r in per_rank) * nbytes_per_row
     received = statistics.mean(r["received_rows"] for r in per_rank) * nbytes_per_row
-    checks = [r["check_error"] for r in per_rank]
     gemm = {}
     if op.startswith("gemm"):  # us -> TFLOP/s: flops / us / 1e6; bytes / us / 1e3 -> GB/s
         gemm = dict(tflops=statistics.mean(r["gemm_flops"] / m / 1e6 if m else 0.0 for r, m in zip(per_rank, medians)),
