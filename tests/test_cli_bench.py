@@ -430,6 +430,17 @@ def test_a_failed_check_says_where_and_fails_the_command(monkeypatch, tmp_path, 
     assert bench.BenchResult.from_json(str(js)).rows == res.rows
 
 
+def test_a_row_is_checked_before_timing_and_on_its_last_timed_round():
+    from ray_ep.bench.loops import _both_checks
+
+    passed = (1e-3, 0, 10, 12, "")
+    assert _both_checks(passed, (2e-3, 0, 10, 12, "")) == (2e-3, 0, "")
+    assert _both_checks(passed, (0.3, 0, 10, 12, "1 of 8 tokens wrong")) == (
+        0.3, 0, "last timed round: 1 of 8 tokens wrong")
+    assert _both_checks((0.2, 3, 10, 12, "3 rows"), (0.3, 0, 10, 12, "1 token")) == (
+        0.3, 3, "first round: 3 rows; last timed round: 1 token")
+
+
 def test_bench_help_lists_the_exit_statuses(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--help"])

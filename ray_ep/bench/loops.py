@@ -7,9 +7,9 @@ events. Before the events the host queues a short GPU sleep and an on-stream bar
 kernels run back to back on aligned GPUs and the Python launch cost of the phase stays out of
 the figure (production decode replays CUDA graphs). On CPU the host clock is used.
 
-Correctness before timing: each rank checks its own round trip with identity experts
-(``combine(dispatch(x))`` must equal ``x * sum(weights)``) and that every expert-major row
-belongs to a token that chose that expert. Layer rows: each pipelined or graph-replayed layer
+Correctness before timing and on the last timed round: each rank checks its own round trip
+with identity experts (``combine(dispatch(x))`` must equal ``x * sum(weights)``) and that
+every expert-major row belongs to a token that chose that expert. Layer rows: each pipelined or graph-replayed layer
 against the serial layer on the same input.
 """
 
@@ -227,31 +227,44 @@ class _Clock:
 
 def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, num_tokens: int, routing: str,
                seed: int, iters: int, warmup: int, fused: bool, sets: int = 3) -> RankTimes:
-    """Dispatch and combine (identity experts between them), each timed on its own."""
+    """Dispatch and combine (identity experts between them), each timed on its own. The form
+    timed is checked before timing and again on the last timed round (after many rounds on the
+    same buffers)."""
     inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device) for i in range(sets)]
-    # correctness once, before timing
     x, ids, w = inputs[0]
-    h = t.dispatch(x, ids, w)
-    err, bad, remote, received, detail = round_trip_figures(h, t.combine(identity_outputs(h), h, torch.bfloat16), x,
-                                                            ids, w, cfg, rank)
+    h = t.dispatch(x, ids, w, fused=fused)
+    first = round_trip_figures(h, t.combine(identity_outputs(h), h, torch.bfloat16, fused=fused), x, ids, w, cfg,
+                               rank)
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"dispatch": [], "combine": []}
     launches = {}
     with t.deferred_checks():  # no host sync inside the timed region
         for i in range(warmup + iters):
-            for op, (us, rec) in _round_trip(t, clock, inputs[i % sets], fused).items():
+            ops, h, out = _round_trip(t, clock, inputs[i % sets], fused)
+            for op, (us, rec) in ops.items():
                 launches.setdefault(op, [(r.kernel, r.programs, r.sms) for r in rec])
                 if i >= warmup:
                     times[op].append(us)
+        x, ids, w = inputs[(warmup + iters - 1) % sets]
+        last = round_trip_figures(h, out, x, ids, w, cfg, rank)  # before other rounds reuse the buffers
         launch_us = launch_times(t, inputs, clock, fused)
-    return RankTimes(rank, times, remote, received, err, bad, launches=launches, launch_us=launch_us,
+    err, bad, detail = _both_checks(first, last)
+    return RankTimes(rank, times, first[2], first[3], err, bad, launches=launches, launch_us=launch_us,
                      check_detail=detail)
 
 
-def _round_trip(t: Transport, clock: _Clock, inputs: tuple, fused: bool, timed: bool = False) -> dict[str, tuple]:
+def _both_checks(first: tuple, last: tuple) -> tuple[float, int, str]:
+    """(error, misplaced rows, where) of a row's two checks (:func:`round_trip_figures`): the
+    first round and the last timed one."""
+    where = "; ".join(f"{when}: {d}" for when, d in (("first round", first[4]), ("last timed round", last[4])) if d)
+    return max(first[0], last[0]), first[1] + last[1], where
+
+
+def _round_trip(t: Transport, clock: _Clock, inputs: tuple, fused: bool, timed: bool = False
+                ) -> tuple[dict[str, tuple], DispatchHandle, torch.Tensor]:
     """A dispatch of ``inputs`` (x, ids, weights), then a combine of identity experts' rows,
-    each started after the clock's barrier: per op (microseconds, its launch records; with
-    ``timed``, each launch between a pair of marks)."""
+    each started after the clock's barrier: (per op (microseconds, its launch records; with
+    ``timed``, each launch between a pair of marks), the handle, the combine's output)."""
     x, ids, w = inputs
     s = clock.start()
     with recorded_launches(timed) as dispatched:
@@ -260,8 +273,8 @@ def _round_trip(t: Transport, clock: _Clock, inputs: tuple, fused: bool, timed: 
     y = identity_outputs(h)
     s = clock.start()
     with recorded_launches(timed) as combined:
-        t.combine(y, h, torch.bfloat16, fused=fused)
-    return {"dispatch": (d_us, dispatched), "combine": (clock.stop(s), combined)}
+        out = t.combine(y, h, torch.bfloat16, fused=fused)
+    return {"dispatch": (d_us, dispatched), "combine": (clock.stop(s), combined)}, h, out
 
 
 def launch_times(t: Transport, inputs: list, clock: _Clock, fused: bool,
@@ -272,7 +285,7 @@ def launch_times(t: Transport, inputs: list, clock: _Clock, fused: bool,
     slowest peer's send. Empty where nothing is launched through ray_ep's kernels."""
     calls: dict[str, list[list]] = {"dispatch": [], "combine": []}
     for i in range(iters):
-        for op, (_, rec) in _round_trip(t, clock, inputs[i % len(inputs)], fused, timed=True).items():
+        for op, (_, rec) in _round_trip(t, clock, inputs[i % len(inputs)], fused, timed=True)[0].items():
             calls[op].append(rec)
     return {op: [statistics.median(r.elapsed_us() for r in same) for same in zip(*recs)]
             for op, recs in calls.items() if recs and all(len(r) == len(recs[0]) for r in recs)}
@@ -282,7 +295,7 @@ def bench_comm_graphs(t: Transport, cfg: EPConfig, rank: int, device: torch.devi
                       seed: int, iters: int, warmup: int, fused: bool, sets: int = 3) -> RankTimes:
     """Dispatch and combine each captured once in a CUDA graph (as decode steps run in
     production), then replayed on new inputs copied into the captured ones; each replay timed
-    on its own, as :func:`bench_comm` times the eager calls. The first replay is checked."""
+    on its own, as :func:`bench_comm` times the eager calls. The first and the last replay are checked."""
     inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device) for i in range(sets)]
     x, ids, w = (v.clone() for v in inputs[0])
     h = t.dispatch(x, ids, w, fused=fused)  # eager once: compiles, fills the allocator's pool
@@ -297,7 +310,7 @@ def bench_comm_graphs(t: Transport, cfg: EPConfig, rank: int, device: torch.devi
             out = t.combine(y, h, torch.bfloat16, fused=fused)
     clock = _Clock(device, t)
     times: dict[str, list[float]] = {"dispatch": [], "combine": []}
-    err, bad, remote, received, detail = 0.0, 0, 0, 0, ""
+    first = None
     for i in range(warmup + iters):
         xi, idsi, wi = inputs[i % sets]
         x.copy_(xi)
@@ -312,11 +325,12 @@ def bench_comm_graphs(t: Transport, cfg: EPConfig, rank: int, device: torch.devi
         c_us = clock.stop(s)
         t.check_status()  # a timeout or overflow flagged during the replays
         if i == 0:
-            err, bad, remote, received, detail = round_trip_figures(h, out, xi, idsi, wi, cfg, rank)
+            first = round_trip_figures(h, out, xi, idsi, wi, cfg, rank)
         if i >= warmup:
             times["dispatch"].append(d_us)
             times["combine"].append(c_us)
-    return RankTimes(rank, times, remote, received, err, bad, check_detail=detail)
+    err, bad, detail = _both_checks(first, round_trip_figures(h, out, xi, idsi, wi, cfg, rank))  # and the last replay
+    return RankTimes(rank, times, first[2], first[3], err, bad, check_detail=detail)
 
 
 def expert_flops(cfg: EPConfig, expert_rows: int, num_tokens: int) -> int:
