@@ -146,7 +146,7 @@ def test_large_batch_under_sm_budget_against_reference(cluster, dtype, num_sms, 
 
 def test_prefill_bench_checks_under_sm_budgets(cluster):
     # The benchmark's own sequence, twice: per budget a worker group of its own (every SM, then
-    # 24, then 16), each checked on its first round of 4096 tokens per rank before timing. On
+    # 24, then 16), each checked on its first round of 4096 tokens per rank and its last timed one. On
     # 4x H200 the check of the fp8 rows at 16 SMs read 0.13-0.63 in 12 of 28 runs while the
     # fp8 send took 16-row whole steps (v27-v41 of docs/perf.md; 2x H200 once), with no
     # misplaced row, and never with bf16 or nvfp4: wrong values the kernel tests, the soak (256
