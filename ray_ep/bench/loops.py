@@ -9,8 +9,8 @@ the figure (production decode replays CUDA graphs). On CPU the host clock is use
 
 Correctness before timing and on the last timed round: each rank checks its own round trip
 with identity experts (``combine(dispatch(x))`` must equal ``x * sum(weights)``) and that
-every expert-major row belongs to a token that chose that expert. Layer rows: each pipelined or graph-replayed layer
-against the serial layer on the same input.
+every expert-major row belongs to a token that chose that expert. Layer rows: each pipelined
+or graph-replayed layer against the serial layer on the same input.
 """
 
 from __future__ import annotations
