@@ -163,10 +163,10 @@ class BenchResult:
                 run = (r.preset, r.backend, r.topology, r.dtype, r.routing, r.tokens, r.sms, layer, r.experts)
                 what = (f"{layer} ({r.experts} experts) against the serial layer: difference"
                         if layer else "round-trip error")
-                seen.setdefault(run, f"{r.preset} {r.backend} {r.topology} {r.dtype} {r.routing} {r.tokens} tokens/rank "
-                                     f"{r.sms} SMs: {what} {r.check_error:.2e} (tolerance {r.check_tol:.0e})"
-                                     f"{', misplaced rows ' + str(r.misplaced_rows) if r.misplaced_rows else ''}"
-                                     f"; {r.check_detail or 'no detail recorded'}")
+                misplaced = f", misplaced rows {r.misplaced_rows}" if r.misplaced_rows else ""
+                seen.setdefault(run, f"{r.preset} {r.backend} {r.topology} {r.dtype} {r.routing} {r.tokens} "
+                                     f"tokens/rank {r.sms} SMs: {what} {r.check_error:.2e} (tolerance "
+                                     f"{r.check_tol:.0e}){misplaced}; {r.check_detail or 'no detail recorded'}")
         return list(seen.values())
 
     def to_json(self, path: str) -> None:
