@@ -95,10 +95,11 @@ def test_preset_against_reference(cluster, preset, dtype, tokens):
     _check_against_reference(cluster, f"test/{preset}/{dtype}", _group_cfg(cluster, preset, dtype), tokens, seed=11)
 
 
-def _check_against_reference(cluster, name: str, cfg: EPConfig, tokens: int, seed: int) -> None:
+def _check_against_reference(cluster, name: str, cfg: EPConfig, tokens: int, seed: int, soak_tokens: int = 256
+                             ) -> None:
     """On a worker group of ``cfg``: the layer against the reference (uniform and skewed token
-    counts, fused and split), then 200 back-to-back dispatch + combine rounds (fused and split)
-    with no misplaced row and every round trip within SOAK_TOL."""
+    counts, fused and split), then 200 back-to-back dispatch + combine rounds of ``soak_tokens``
+    per rank (fused and split) with no misplaced row and every round trip within SOAK_TOL."""
     cluster.call_workers("add_group", name, cfg)
     try:
         for routing in ("uniform", "skewed"):
@@ -109,7 +110,8 @@ def _check_against_reference(cluster, name: str, cfg: EPConfig, tokens: int, see
                 worst = max(r["rel"] for r in res)
                 assert worst <= TOL, f"{routing} fused={fused}: rel error {worst:.3e} > {TOL}"
         for fused in (True, False):  # back-to-back rounds: no rank overwrites rows a peer still reads
-            soak = cluster.run(run_row, "soak", group=name, rounds=200, num_tokens=256, routing="skewed", fused=fused)
+            soak = cluster.run(run_row, "soak", group=name, rounds=200, num_tokens=soak_tokens, routing="skewed",
+                               fused=fused)
             assert sum(r["misplaced_rows"] for r in soak) == 0
             worst = max(r["max_rel_error"] for r in soak)
             assert worst <= SOAK_TOL, f"soak fused={fused}: rel error {worst:.3e}; " + \
@@ -141,7 +143,9 @@ def test_large_batch_under_sm_budget_against_reference(cluster, dtype, num_sms, 
     tokens = 2 * SELF_LAYOUT_MAX_T + 88
     cfg = _group_cfg(cluster, "deepseek-v3", dtype, num_sms=num_sms, max_tokens_per_rank=1024,
                      micro_batches=micro_batches)
-    _check_against_reference(cluster, f"test/budget-layout/{dtype}/{num_sms}/{micro_batches}", cfg, tokens, seed=17)
+    # soaked at that batch too: 200 rounds of the chunked send (256 tokens would take the scanned one)
+    _check_against_reference(cluster, f"test/budget-layout/{dtype}/{num_sms}/{micro_batches}", cfg, tokens, seed=17,
+                             soak_tokens=tokens)
 
 
 def test_prefill_bench_checks_under_sm_budgets(cluster):
