@@ -257,7 +257,7 @@ def _graph_rounds(worker, group: str, fused: bool, rounds: int) -> dict:
     then replay it ``rounds`` times with fresh inputs copied into the static ones: a changing
     real token count (the rest padding, routed nowhere: ids -1), changing routing. Split forms
     run a matmul between send and receive. Returns the worst error and misplaced rows."""
-    from ray_ep.bench.loops import expected_round_trip, identity_outputs, misplaced_rows
+    from ray_ep.bench.loops import expected_round_trip, identity_outputs, misplaced_rows, relative_error
     from ray_ep.inputs import rank_inputs
 
     g = worker.group_state(group)
@@ -302,7 +302,7 @@ def _graph_rounds(worker, group: str, fused: bool, rounds: int) -> dict:
         bad += misplaced_rows(h, cfg, worker.rank)
         if n:
             exp = expected_round_trip(xi, wi, cfg)
-            worst = max(worst, ((out[:n].float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item())
+            worst = max(worst, relative_error(out[:n], exp))
         if n < T:
             worst = max(worst, out[n:].float().abs().max().item())  # padding reached nobody
         # the handle's received rows are read above after the combine: no peer may replay the

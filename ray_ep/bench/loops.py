@@ -83,7 +83,7 @@ class RankTimes:
     layer_checks: dict[str, float] = field(default_factory=dict)
     """Layer rows other than the serial layer (micro-batched, replayed from CUDA graphs): the
     largest difference of the op's output from the serial layer's on the same input, relative to
-    the serial layer's largest value (:func:`layer_difference`)."""
+    the serial layer's largest value (:func:`relative_error`)."""
     layer_check_details: dict[str, str] = field(default_factory=dict)
     """The same ops: where the output differs, if by more than LAYER_TOL of the expert dtype."""
 
@@ -119,12 +119,18 @@ def expected_round_trip(x: torch.Tensor, w: torch.Tensor, cfg: EPConfig) -> torc
     return x.float() * w.sum(-1, keepdim=True)
 
 
+def relative_error(out: torch.Tensor, exp: torch.Tensor) -> float:
+    """The largest |out - exp| relative to the largest |exp| (0 for no rows): what every check
+    of the benchmark compares against its tolerance."""
+    if not exp.shape[0]:
+        return 0.0
+    exp = exp.float()
+    return ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item()
+
+
 def round_trip_error(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: EPConfig) -> float:
     """Largest error of an identity-expert round trip relative to the largest expected value."""
-    if not x.shape[0]:
-        return 0.0
-    exp = expected_round_trip(x, w, cfg)
-    return ((out.float() - exp).abs().max() / exp.abs().max().clamp_min(1e-6)).item()
+    return relative_error(out, expected_round_trip(x, w, cfg)) if x.shape[0] else 0.0
 
 
 def _spans(values: list[int], most: int = 6) -> str:
@@ -190,12 +196,11 @@ def soak(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rounds
     for i in range(rounds):
         x, ids, w = rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device)
         h = t.dispatch(x, ids, w, fused=fused)
-        bad += misplaced_rows(h, cfg, rank)
         out = t.combine(identity_outputs(h), h, torch.bfloat16, fused=fused)
-        err = round_trip_error(out, x, w, cfg)
-        if err > ROUND_TRIP_TOL and not detail:  # the first failed round says where
-            detail = f"round {i}: {where_wrong(out, x, ids, w, cfg)}"
-        worst = max(worst, err)
+        err, misplaced, _, _, where = round_trip_figures(h, out, x, ids, w, cfg, rank)
+        if where and not detail:  # the first failed round says where
+            detail = f"round {i}: {where}"
+        worst, bad = max(worst, err), bad + misplaced
     return {"rank": rank, "max_rel_error": worst, "misplaced_rows": bad, "rounds": rounds, "detail": detail}
 
 
@@ -438,19 +443,12 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
     ids = inputs[check_at % sets][1]
     serial = outs.pop("layer")
     tol = LAYER_TOL[cfg.expert_dtype]
-    checks = {op: layer_difference(out, serial) for op, out in outs.items()}
+    # the same math in another schedule: up to a bf16 rounding where sums run in another order
+    checks = {op: relative_error(out, serial) for op, out in outs.items()}
     details = {op: where_off(outs[op], serial, ids, cfg, tol) for op, d in checks.items() if d > tol}
     return RankTimes(rank, times, remote, received, 0.0, 0, flops, gemm_flops, wbytes, host_us=host_us,
                      layer_checks=checks, layer_check_details=details)
 
-
-def layer_difference(out: torch.Tensor, serial: torch.Tensor) -> float:
-    """The largest difference of a layer's output from the serial layer's on the same input,
-    relative to the serial layer's largest value (the same math in another schedule: up to a
-    bf16 rounding where sums run in another order)."""
-    if not serial.shape[0]:
-        return 0.0
-    return ((out.float() - serial.float()).abs().max() / serial.float().abs().max().clamp_min(1e-6)).item()
 
 
 def expert_gemms(h: DispatchHandle, experts, scratch):
