@@ -86,7 +86,7 @@ class CheckOptions(BaseModel):
     routing: str = "uniform"
     seed: int = 0
     tolerance: float | None = Field(default=None, gt=0)
-    """Largest relative error that passes (default: ray_ep's for the layer, ray_ep.driver.check_tolerance)."""
+    """Largest relative error that passes (default: ray_ep's for the layer, ray_ep.reference.check_tolerance)."""
 
     @field_validator("routing")
     @classmethod

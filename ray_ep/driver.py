@@ -33,6 +33,7 @@ from .config import EPConfig, format_bytes, plan_buffers, plan_memory
 from .errors import EPClusterError, EPInputError, EPStateError
 from .inputs import ROUTINGS
 from .local_cluster import init_ray_bounded, start_local_ray
+from .reference import check_tolerance
 from .routing import route
 from .transport.nvshmem import nvshmem_env
 from .validation import validate_moe_inputs, validate_per_rank, validate_router_logits
@@ -40,24 +41,9 @@ from .weights import ExpertWeights, check_expert_weights
 
 log = logging.getLogger(__name__)
 
-# |out - ref| / max|ref| allowed by check(): the output is bf16 (2^-8 relative per rounding)
-# and passes through several roundings (GEMM outputs, activation, partial sums on the wire)
-# that the kernels may place differently from the reference; fp32 combine leaves only the
-# bf16 expert activations.
-TOLERANCE = {"bf16": 3e-2, "fp32": 1e-2}
-# fp8 expert weights, whatever the combine dtype: the kernels sum each K block in another order
-# than the reference's fp32 matmul, and where that tips a bf16 rounding of the gate_up output
-# the SwiGLU value, quantised to e4m3, lands on the next step (2^-3 of it): a few elements a
-# few percent of the largest output
-FP8_EXPERTS_TOLERANCE = 5e-2
 OUT_DTYPES = ("bf16", "fp32")  # output dtypes of combine() and forward()
 RESTART_WAIT_S = 15.0  # restart(): longest wait for the killed workers' processes to be gone
 HOST_MEMORY_USABLE = 0.9  # share of a host's available memory the memory check plans with (require_memory)
-
-
-def check_tolerance(cfg: EPConfig) -> float:
-    """The largest relative error :meth:`EPCluster.check` passes for ``cfg``'s layer."""
-    return FP8_EXPERTS_TOLERANCE if cfg.expert_dtype == "fp8" else TOLERANCE[cfg.combine_dtype]
 
 
 @dataclass(frozen=True)

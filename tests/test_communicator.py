@@ -15,7 +15,7 @@ from ray_ep.kernels.experts import LocalExperts, shared_experts
 from spawn_ranks import RankError, run_ranks
 
 TINY = dict(hidden_size=128, n_experts=8, top_k=2, intermediate_size=64, max_tokens_per_rank=16)
-# |out - ref| / max|ref| with bf16 rows and bf16 partials on the wire (see driver.TOLERANCE)
+# |out - ref| / max|ref| with bf16 rows and bf16 partials on the wire (see reference.TOLERANCE)
 BF16_TOL = 3e-2
 
 

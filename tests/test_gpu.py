@@ -21,14 +21,14 @@ import torch
 from ray_ep import EPCluster, EPConfig, EPTimeoutError
 from ray_ep.bench import run_bench
 from ray_ep.bench.loops import ROUND_TRIP_TOL, run_row
-from ray_ep.driver import FP8_EXPERTS_TOLERANCE
 from ray_ep.kernels.dispatch import SELF_LAYOUT_MAX_T
+from ray_ep.reference import FP8_EXPERTS_TOLERANCE
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs at least 2 CUDA GPUs"),
               pytest.mark.usefixtures("ship_module_by_value")]  # EPCluster.run gets this module's functions
 
-# bf16 output after several bf16 roundings (see ray_ep.driver.TOLERANCE)
+# bf16 output after several bf16 roundings (see ray_ep.reference.TOLERANCE)
 TOL = 3e-2
 # identity round trip: one bf16 rounding of each partial sum and of the output
 SOAK_TOL = ROUND_TRIP_TOL

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..config import FP8_GROUP, EPConfig, nvfp4_row_bytes
-from ..driver import FP8_EXPERTS_TOLERANCE
 from ..errors import EPInputError
 from ..fp8 import dequantize_fp8_torch, quantize_fp8_torch
 from ..graphs import LayerGraphs
@@ -34,6 +33,7 @@ from ..kernels._util import recorded_launches
 from ..kernels.experts import run_experts, shared_experts
 from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_torch
 from ..pipeline import moe_layer, moe_micro_batched
+from ..reference import FP8_EXPERTS_TOLERANCE
 from ..transport.base import Transport
 from ..types import DispatchHandle
 
@@ -47,7 +47,7 @@ ROUND_TRIP_TOL = 2e-2
 # A layer's output against the serial layer's on the same input, by expert dtype: the same
 # math in another schedule, but a GEMM tile chosen for fewer rows sums in another order, and
 # where that tips a bf16 rounding of an fp8 expert's gate_up output, its SwiGLU value lands on
-# the next e4m3 step (ray_ep.driver.FP8_EXPERTS_TOLERANCE)
+# the next e4m3 step (ray_ep.reference.FP8_EXPERTS_TOLERANCE)
 LAYER_TOL = {"bf16": ROUND_TRIP_TOL, "fp8": FP8_EXPERTS_TOLERANCE}
 SLEEP_CYCLES = 4_000_000  # ~2 ms at H100/H200 clocks: the host queues a whole phase meanwhile
 LAUNCH_TIMING_ITERS = 5  # calls after the timed ones, each launch between a pair of marks
