@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 from ray_ep.errors import EPInputError  # noqa: E402
 from ray_ep.types import DispatchLayout  # noqa: E402
 from ray_ep.kernels._util import num_sms, recorded_launches  # noqa: E402
-from ray_ep.kernels.layout import (block_bases, block_bases_torch, block_tokens,  # noqa: E402
+from ray_ep.kernels.layout import (ASSIGN_TOKENS, block_bases, block_bases_torch, block_tokens,  # noqa: E402
                                   compute_layout, compute_layout_torch)
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,7 +152,7 @@ def test_sm_budget_caps_every_launch(num_sms):
     programs, each looping over several blocks (here 9 blocks of tokens, 5 column groups of
     the scan), and the layout is the same."""
     R, L, K = 4, 32, 8
-    T = 8 * block_tokens() + 3
+    T = 8 * ASSIGN_TOKENS + 3
     gen = torch.Generator().manual_seed(num_sms)
     ids = random_ids(T, K, R * L, gen, masked=0.1).to(device)
     with recorded_launches() as launches:
@@ -162,14 +162,27 @@ def test_sm_budget_caps_every_launch(num_sms):
 
 
 def test_wide_top_k_under_an_sm_budget():
-    """The assign counts each (token, k)'s same-expert matches in packed fields, 10 bits wide
-    while a block has under 1024 of them, else 21: top-16 in the interpreter's 64-token
-    blocks takes the wide fields (a GPU's 16-token blocks the narrow ones)."""
+    """Top-16 over the assign's 64-token blocks: 1024 sorted (expert, token, k) keys a block."""
     R, L, K = 2, 16, 16
-    T = 2 * block_tokens() + 5
+    T = 2 * ASSIGN_TOKENS + 5
     gen = torch.Generator().manual_seed(16)
     ids = random_ids(T, K, R * L, gen, masked=0.1).to(device)
     check_semantics(check_equal(ids, R, L, num_sms=2), ids, R, L)
+
+
+@pytest.mark.parametrize("num_sms", [None, 2])
+def test_an_expert_twice_in_a_token(num_sms):
+    """A token may list an expert twice: both entries count, and both get the row of the
+    tokens before it (the twin's rule), in the assign's sorted keys too; unused ids mixed in."""
+    R, L, K = 2, 3, 4
+    T = 2 * ASSIGN_TOKENS + 9
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, R * L, (T, K), generator=gen, dtype=torch.int32)
+    ids[torch.rand(T, K, generator=gen) < 0.1] = -1
+    ids[torch.rand(T, K, generator=gen) < 0.05] = R * L + 1
+    assert bool((ids[:, :, None] == ids[:, None, :]).sum((1, 2)).gt(K).any())  # some token repeats one
+    got = check_equal(ids.to(device), R, L, num_sms=num_sms)
+    assert int(got.expert_counts_E.sum()) == int(((ids >= 0) & (ids < R * L)).sum())
 
 
 def test_many_chunks():
@@ -177,7 +190,7 @@ def test_many_chunks():
     program's base rows come from several steps; a budget above the chunks takes one program
     per chunk."""
     R, L, K = 4, 8, 4
-    T = 20 * block_tokens() - 5
+    T = 20 * ASSIGN_TOKENS - 5
     gen = torch.Generator().manual_seed(5)
     ids = random_ids(T, K, R * L, gen, masked=0.1).to(device)
     with recorded_launches() as launches:
@@ -250,3 +263,9 @@ def test_bad_topology_raises(fn):
     ids = torch.zeros(3, 2, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="must be positive"):
         fn(topk_ids_TK=ids, world_size=0, experts_per_rank=2)
+
+
+def test_too_many_experts_for_the_sorted_keys_raises():
+    ids = torch.zeros(3, 8, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="supports up to 4194303 experts at top-8"):
+        compute_layout(topk_ids_TK=ids, world_size=1, experts_per_rank=2**22)

@@ -155,6 +155,9 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
             run_r = chunk_start(bases_ptr, running_ptr, totals_ptr, c, NC, E, R, _CHUNK_ROWS, C_PAD, R_PAD)
             end = tl.minimum(T, (c + 1) * CT)
             for t0 in range(c * CT, end, BT):
+                # pairwise, not compute_layout's sorted assign: a block is the send's few rows (one
+                # H200, a world of one, prefill at 24 / 16 SMs: fp8 147.7 / 204.9 us against 178.2
+                # / 248.7 sorted, bf16 142.4 / 195.3 against 162.4 / 225.5; docs/perf.md v43)
                 run_r = assign_block(ids_ptr, stride_ids, t0, end, running_ptr + c * (E + R), run_r, slots_ptr,
                                      ordinals_ptr, K, L, E, R, BT, K_PAD, R_PAD)
                 _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
@@ -565,7 +568,8 @@ SCAN_CHUNK = {int(LAYOUT_SCANNED): 64, int(LAYOUT_FROM_BASES): 32}
 # wait on their remote stores, so the assign fills idle issue slots; nvfp4's send is bound by
 # its quantisation (as slow into its own buffer as to peers) and the assign lengthens it (2x
 # H200, once a thread quantised whole blocks: 237.8 / 336.3 us after compute_layout, 262.2 /
-# 373.7 chunked).
+# 373.7 chunked). compute_layout's sorted assign (v43, one H200, a world of one) took nvfp4
+# at 24 / 16 SMs from 173.2 / 240.9 to 149.3 / 204.0 us (its assign launch 42 / 59 -> 16 / 20).
 CHUNKED_SEND_DTYPES = ("bf16", "fp8")
 
 

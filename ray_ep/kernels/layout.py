@@ -33,10 +33,10 @@ from ._util import interpreted, launch, num_sms as sm_count
 
 
 def block_tokens() -> int:
-    """Tokens per layout block. 16 on a GPU: the chunked assign measured fastest there (4096
-    tokens, 256 experts on 24 H200 SMs, from CUDA graphs: 56.7 us, against 62.6 at 8 and 76.1
-    at 32 tokens with 8 warps), and a send that lays out its own tokens scans at most 15
-    earlier ones. In the interpreter, bigger blocks (numpy likes big arrays)."""
+    """Tokens per block of :func:`block_bases`. 16 on a GPU: a send that lays out its own tokens
+    from those bases scans at most 15 earlier ones (the pairwise assign of v17 measured fastest
+    at 16 too; compute_layout's sorted assign takes ASSIGN_TOKENS). In the interpreter, bigger
+    blocks (numpy likes big arrays)."""
     return 64 if interpreted() else 16
 
 
@@ -64,11 +64,13 @@ def _scan_blocks_kernel(counts_ptr, B, C, totals_ptr, BR: tl.constexpr, BC: tl.c
 # first counts every chunk's tokens per expert and rank (one atomic add per id, nothing waits
 # on them); the second sums the counts of the chunks before its own (the chunk's base rows),
 # then walks its chunk block by block in token order. A (token, k)'s ordinal is its expert's
-# running row plus the earlier (token, k) of the block that chose the same expert (pairwise
-# compares of the block's ids: a few ops per id, where one-hot [tokens, E] tiles took one per
-# (token, expert)); each expert's last (token, k) in the block moves the running row on.
-# (4096 tokens, 256 experts, from CUDA graphs on one H200: 24 SMs 147.5 -> 56.7 us, 16 SMs
-# 207.3 -> 76.2, every SM 28.7 -> 26.6 against three launches of one-hot tiles; docs/perf.md v17.)
+# running row plus the earlier (token, k) of the block that chose the same expert; each
+# expert's last (token, k) in the block moves the running row on. compute_layout finds the
+# earlier ones by sorting a block's (expert, token, k) keys (assign_block_sorted: ~N log^2 N
+# ops for N = 512 entries); a send's few rows by pairwise compares (assign_block: N^2). (4096
+# tokens, 256 experts, count + assign from CUDA graphs on one H200: 24 SMs 147.5 us with three
+# launches of one-hot tiles, 56.7 pairwise in v17, 47.6 pairwise / 20.2 sorted in v43; 16 SMs
+# 207.3 -> 76.2 -> 67.1 / 25.0; docs/perf.md.)
 # The count launch also gives block_bases its counts (one 16-token block per chunk), and a
 # bf16 or fp8 send under a budget walks its chunks itself (chunk_start, assign_block).
 @triton.jit(do_not_specialize=["T", "CT", "NC"])
@@ -101,8 +103,8 @@ def _chunk_assign_kernel(ids_ptr, stride_t, T, CT, NC, counts_ptr, running_ptr, 
         run_r = chunk_start(counts_ptr, running_ptr, totals_ptr, c, NC, E, R, CR, C_PAD, R_PAD)
         end = tl.minimum(T, (c + 1) * CT)
         for t0 in range(c * CT, end, BT):
-            run_r = assign_block(ids_ptr, stride_t, t0, end, running_ptr + c * (E + R), run_r, slots_ptr,
-                                 ordinals_ptr, K, L, E, R, BT, K_PAD, R_PAD)
+            run_r = assign_block_sorted(ids_ptr, stride_t, t0, end, running_ptr + c * (E + R), run_r, slots_ptr,
+                                        ordinals_ptr, K, L, E, R, BT, K_PAD, R_PAD)
 
 
 @triton.jit
@@ -164,6 +166,51 @@ def assign_block(ids_ptr, stride_t, t0, end, run, run_r, slots_ptr, ordinals_ptr
 
 
 @triton.jit
+def _same_key_count(k1, c1, k2, c2):
+    """Combine of a segmented count over sorted keys: runs of one key count up from 1."""
+    return k2, c2 + tl.where(k1 == k2, c1, 0)
+
+
+@triton.jit
+def assign_block_sorted(ids_ptr, stride_t, t0, end, run, run_r, slots_ptr, ordinals_ptr, K: tl.constexpr, L, E, R,
+                        BT: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """:func:`assign_block` by a sort of the block's (expert, token, k) keys: each (token, k)'s
+    ordinal is its expert's running row plus the entries of that expert in earlier tokens, which
+    segmented counts over the sorted keys give (runs of the expert, less runs of the expert and
+    token: a token that lists an expert twice gives both the same row, as assign_block does).
+    The keys are int32: (E + 1) x BT x K_PAD must stay below 2^31 (compute_layout checks)."""
+    N: tl.constexpr = BT * K_PAD
+    r_idx = tl.arange(0, R_PAD)
+    ids, valid, goes = _block_ids(ids_ptr, stride_t, t0, end, K, L, E, BT, K_PAD, R_PAD)
+    pos = tl.arange(0, N)
+    # unused entries sort last, under a key no expert has
+    key = tl.reshape(tl.where(valid, ids, E), (N,)) * N + pos
+    s = tl.sort(key)
+    one = tl.full((N,), 1, tl.int32)
+    expert = s // N
+    _, upto = tl.associative_scan((expert, one), 0, _same_key_count)
+    _, own = tl.associative_scan((s // K_PAD, one), 0, _same_key_count)
+    _, to_end = tl.associative_scan((expert, one), 0, _same_key_count, reverse=True)
+    used = expert < E
+    p = s % N
+    tok = t0 + p // K_PAD
+    at = run + tl.where(used, expert, 0)
+    rows_e = tl.load(at, mask=used, other=0, volatile=True)
+    tl.store(ordinals_ptr + tok * K + p % K_PAD, rows_e + upto - own, mask=used)
+    tl.store(at, rows_e + upto, mask=used & (to_end == 1))  # the expert's last entry moves its row on
+    # unused (token, k) of the block: -1
+    toks = t0 + tl.arange(0, BT)
+    kk = tl.arange(0, K_PAD)
+    tl.store(ordinals_ptr + toks[:, None] * K + kk[None, :], -1,
+             mask=(toks[:, None] < end) & (kk[None, :] < K) & ~valid)
+    before_r = tl.cumsum(goes, axis=0) - goes + run_r[None, :]
+    tl.store(slots_ptr + toks[:, None] * R + r_idx[None, :], tl.where(goes > 0, before_r, -1),
+             mask=(toks[:, None] < end) & (r_idx[None, :] < R))
+    tl.debug_barrier()  # this block's rows before the next block's loads
+    return run_r + tl.sum(goes, axis=0)
+
+
+@triton.jit
 def _block_ids(ids_ptr, stride_t, t0, end, K: tl.constexpr, L, E, BT: tl.constexpr, K_PAD: tl.constexpr,
                R_PAD: tl.constexpr):
     """ids [BT, K_PAD] of tokens [t0, t0 + BT) below end (-1 where unused: masked, padding or
@@ -219,6 +266,12 @@ def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank:
 
 # rows of earlier chunks' counts that chunk_start sums at once
 CHUNK_ROWS = 8
+# compute_layout's assign: tokens per sorted block, and warps (one H200, 4096 tokens x top-8 over
+# 256 experts, count + assign from CUDA graphs, 24 / 16 SMs: 47.6 / 67.1 us with the pairwise
+# assign_block at 16 tokens and 4 warps, its best of 8-64 tokens and 1-16 warps; sorted 30.4 /
+# 41.7 at 16 tokens and 4 warps, 24.4 / 30.7 at 32 and 8, 20.2 / 25.0 at 64 and 8; docs/perf.md v43)
+ASSIGN_TOKENS = 64
+ASSIGN_WARPS = 8
 
 
 def count_chunks(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank: int, programs: int,
@@ -265,7 +318,10 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
     if T == 0:
         totals.zero_()
         return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
-    bt = block_tokens()
+    bt = ASSIGN_TOKENS
+    if (E + 1) * bt * triton.next_power_of_2(K) >= 2**31:  # the sorted assign's int32 keys
+        raise ValueError(f"compute_layout supports up to {2**31 // (bt * triton.next_power_of_2(K)) - 1} experts "
+                         f"at top-{K}, got {E}")
     counts_running, chunk, chunks = count_chunks(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L,
                                                  programs=num_sms or sm_count(dev), multiple=bt)
     launch(_chunk_assign_kernel, work=chunks, device=dev, budget=num_sms, resident=False,
@@ -273,7 +329,7 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
                      counts_ptr=counts_running[0], running_ptr=counts_running[1], slots_ptr=slots,
                      ordinals_ptr=ordinals, totals_ptr=totals, L=L, E=E, R=R),
            meta=dict(K=K, K_PAD=triton.next_power_of_2(K), R_PAD=triton.next_power_of_2(R), BT=bt, CR=CHUNK_ROWS,
-                     C_PAD=triton.next_power_of_2(E + R)))
+                     C_PAD=triton.next_power_of_2(E + R)), warps=ASSIGN_WARPS)
     return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
 
 
