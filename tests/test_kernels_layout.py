@@ -266,6 +266,7 @@ def test_bad_topology_raises(fn):
 
 
 def test_too_many_experts_for_the_sorted_keys_raises():
+    # keys (E + 1) x 64 tokens x 8 below 2^31: up to 2^22 - 2 experts
     ids = torch.zeros(3, 8, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="supports up to 4194303 experts at top-8"):
-        compute_layout(topk_ids_TK=ids, world_size=1, experts_per_rank=2**22)
+    with pytest.raises(ValueError, match="supports up to 4194302 experts at top-8, got 4194303"):
+        compute_layout(topk_ids_TK=ids, world_size=1, experts_per_rank=2**22 - 1)

@@ -319,9 +319,9 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
         totals.zero_()
         return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
     bt = ASSIGN_TOKENS
-    if (E + 1) * bt * triton.next_power_of_2(K) >= 2**31:  # the sorted assign's int32 keys
-        raise ValueError(f"compute_layout supports up to {2**31 // (bt * triton.next_power_of_2(K)) - 1} experts "
-                         f"at top-{K}, got {E}")
+    most = (2**31 - 1) // (bt * triton.next_power_of_2(K)) - 1  # the sorted assign's int32 keys
+    if E > most:
+        raise ValueError(f"compute_layout supports up to {most} experts at top-{K}, got {E}")
     counts_running, chunk, chunks = count_chunks(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L,
                                                  programs=num_sms or sm_count(dev), multiple=bt)
     launch(_chunk_assign_kernel, work=chunks, device=dev, budget=num_sms, resident=False,
