@@ -170,11 +170,12 @@ def test_wide_top_k_under_an_sm_budget():
     check_semantics(check_equal(ids, R, L, num_sms=2), ids, R, L)
 
 
-@pytest.mark.parametrize("num_sms", [None, 2])
-def test_an_expert_twice_in_a_token(num_sms):
+@pytest.mark.parametrize("num_sms,K", [(None, 4), (2, 4), (2, 6)], ids=["all-sms-K4", "2sms-K4", "2sms-K6"])
+def test_an_expert_twice_in_a_token(num_sms, K):
     """A token may list an expert twice: both entries count, and both get the row of the
-    tokens before it (the twin's rule), in the assign's sorted keys too; unused ids mixed in."""
-    R, L, K = 2, 3, 4
+    tokens before it (the twin's rule), in the assign's sorted keys too; unused ids mixed in
+    (and, at top-6, the padding entries of K_PAD = 8)."""
+    R, L = 2, 3
     T = 2 * ASSIGN_TOKENS + 9
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, R * L, (T, K), generator=gen, dtype=torch.int32)
