@@ -137,7 +137,6 @@ def assign_block(ids_ptr, stride_t, t0, end, run, run_r, slots_ptr, ordinals_ptr
     (run [E + R]: per expert, moved on here) and rows so far per rank run_r [R_PAD]. Returns
     run_r moved on; the stores are visible to the whole program when it returns."""
     tok = tl.reshape(tl.arange(0, BT)[:, None] + tl.zeros((K_PAD,), dtype=tl.int32)[None, :], (BT * K_PAD,))
-    r_idx = tl.arange(0, R_PAD)
     ids, valid, goes = _block_ids(ids_ptr, stride_t, t0, end, K, L, E, BT, K_PAD, R_PAD)
     f = tl.reshape(ids, (BT * K_PAD,))
     # one sum counts the same expert in earlier tokens (low field), in its own token (middle:
@@ -158,10 +157,19 @@ def assign_block(ids_ptr, stride_t, t0, end, run, run_r, slots_ptr, ordinals_ptr
              mask=(toks[:, None] < end) & (kk[None, :] < K))
     last = valid & (later == 0)  # the block's last (token, k) of its expert moves its row on
     tl.store(at, rows_e + upto, mask=last)
+    return _store_slots(goes, run_r, toks, end, slots_ptr, R, R_PAD)
+
+
+@triton.jit
+def _store_slots(goes, run_r, toks, end, slots_ptr, R, R_PAD: tl.constexpr):
+    """A block's slots (goes [BT, R_PAD]: whether each token goes to each rank) from the rows
+    so far per rank run_r, then a barrier (the block's stores before the next block's, or the
+    send's, loads). Returns run_r moved on."""
+    r_idx = tl.arange(0, R_PAD)
     before_r = tl.cumsum(goes, axis=0) - goes + run_r[None, :]
     tl.store(slots_ptr + toks[:, None] * R + r_idx[None, :], tl.where(goes > 0, before_r, -1),
              mask=(toks[:, None] < end) & (r_idx[None, :] < R))
-    tl.debug_barrier()  # this block's rows before the next block's (or the send's) loads
+    tl.debug_barrier()
     return run_r + tl.sum(goes, axis=0)
 
 
@@ -180,7 +188,6 @@ def assign_block_sorted(ids_ptr, stride_t, t0, end, run, run_r, slots_ptr, ordin
     token: a token that lists an expert twice gives both the same row, as assign_block does).
     The keys are int32: (E + 1) x BT x K_PAD must stay below 2^31 (compute_layout checks)."""
     N: tl.constexpr = BT * K_PAD
-    r_idx = tl.arange(0, R_PAD)
     ids, valid, goes = _block_ids(ids_ptr, stride_t, t0, end, K, L, E, BT, K_PAD, R_PAD)
     pos = tl.arange(0, N)
     # unused entries sort last, under a key no expert has
@@ -203,11 +210,7 @@ def assign_block_sorted(ids_ptr, stride_t, t0, end, run, run_r, slots_ptr, ordin
     kk = tl.arange(0, K_PAD)
     tl.store(ordinals_ptr + toks[:, None] * K + kk[None, :], -1,
              mask=(toks[:, None] < end) & (kk[None, :] < K) & ~valid)
-    before_r = tl.cumsum(goes, axis=0) - goes + run_r[None, :]
-    tl.store(slots_ptr + toks[:, None] * R + r_idx[None, :], tl.where(goes > 0, before_r, -1),
-             mask=(toks[:, None] < end) & (r_idx[None, :] < R))
-    tl.debug_barrier()  # this block's rows before the next block's loads
-    return run_r + tl.sum(goes, axis=0)
+    return _store_slots(goes, run_r, toks, end, slots_ptr, R, R_PAD)
 
 
 @triton.jit
