@@ -225,6 +225,27 @@ def test_block_bases(T):
     assert totals.tolist() == run
 
 
+@pytest.mark.parametrize("T", [40, 1100, 9000])
+def test_block_bases_with_the_gpu_scan_tile(T, monkeypatch):
+    """block_bases with the GPU's blocks and scan tile (4 columns a program, up to 512 rows a
+    tile) wherever the suite runs: 9000 tokens are 563 blocks, so the scan carries its sums
+    from one row tile to the next."""
+    import ray_ep.kernels.layout as layout_mod
+
+    monkeypatch.setattr(layout_mod, "interpreted", lambda: False)
+    assert block_tokens() == 16
+    B = -(-T // 16)
+    bc, br, _ = layout_mod._scan_tile(B)
+    assert bc == 4 and (br < B) == (T == 9000)
+    R, L, K = 2, 4, 4
+    gen = torch.Generator().manual_seed(T)
+    ids = random_ids(T, K, R * L, gen, masked=0.1).to(device)
+    bases, totals = block_bases(topk_ids_TK=ids, world_size=R, experts_per_rank=L)
+    want_b, want_t = block_bases_torch(topk_ids_TK=ids, world_size=R, experts_per_rank=L)
+    assert bases.shape == (B, R * L + R)
+    assert torch.equal(bases.cpu(), want_b.cpu()) and torch.equal(totals.cpu(), want_t.cpu())
+
+
 @pytest.mark.parametrize("T", [5, 100], ids=lambda t: f"T{t}")
 def test_non_contiguous_ids(T):
     # a column slice of a wider tensor: row stride 7, inner dim contiguous

@@ -261,10 +261,23 @@ def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank:
                      L=L, E=E, R=R),
            meta=dict(K=K, K_PAD=triton.next_power_of_2(K), R_PAD=triton.next_power_of_2(R), TB=bt,
                      E_PAD=triton.next_power_of_2(E)))
-    bc = 32
+    bc, br, warps = _scan_tile(B)
     launch(_scan_blocks_kernel, work=triton.cdiv(E + R, bc), device=dev, budget=None, resident=False,
-           args=dict(counts_ptr=bases, B=B, C=E + R, totals_ptr=totals), meta=dict(BR=64, BC=bc))
+           args=dict(counts_ptr=bases, B=B, C=E + R, totals_ptr=totals), meta=dict(BR=br, BC=bc), warps=warps)
     return bases, totals
+
+
+def _scan_tile(B: int) -> tuple[int, int, int]:
+    """(columns, rows, warps) of a scan program over B blocks. On a GPU the scan is a chain of
+    dependent loads, so few columns (more programs) and the rows in one or two tiles: one H200,
+    count + scan from CUDA graphs, 4096 tokens (B 256) over 4 ranks x 64 experts, 6.91 us at
+    32 columns x 64 rows and 4 warps, 4.32 at 4 x 256 and 8; 8192 tokens (B 512) over 8 x 32,
+    11.77 -> 6.26 at 4 x 512 and 8 (the count alone 2.0 / 3.6; docs/perf.md v44). The
+    interpreter pays per program, so there wide columns."""
+    if interpreted():
+        return 32, 64, 4
+    br = min(512, max(64, triton.next_power_of_2(B)))
+    return 4, br, 8 if br >= 256 else 4
 
 
 # rows of earlier chunks' counts that chunk_start sums at once
