@@ -325,13 +325,17 @@ def _combine_fused_kernel(y_ptr, stride_y, meta_ptr, src_offsets_ptr, recv_count
     else:
         if last_program_done(send_counter_ptr, True):
             _signal_all(peer_bases_ptr, off_signal, rank, R, ranks_per_node, epoch + 1, R_PAD, REMOTE, EMULATE)
+            # every program has counted itself, so has read the epoch: it moves on here, and the
+            # sum below needs no second count at its end
+            tl.store(epochs_ptr, epoch + 1)
         ready = wait_signals(signal_ptr, R, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, USE_TIMER)
     if ready:
         _sum_rows(recv_ptr, slots_ptr, add_ptr, stride_add, out_ptr, stride_out, T, N, H, R, peer_bases_ptr, off_x,
                   rank, ready_ptr, epoch + 1, status_ptr, timeout_ns, max_spins, R_PAD, HAS_ADD, BT, BLOCK_HS, False,
                   BJ, USE_TIMER, FLAGS)
-    if last_program_done(recv_counter_ptr, False):
-        tl.store(epochs_ptr, epoch + 1)
+    if FLAGS:  # no program-wide count before the sum: the epoch moves on once every program is done
+        if last_program_done(recv_counter_ptr, False):
+            tl.store(epochs_ptr, epoch + 1)
 
 
 # ---- launchers -----------------------------------------------------------------------------

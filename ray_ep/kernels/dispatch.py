@@ -524,8 +524,7 @@ def _dispatch_recv_kernel(signal_ptr, counts_ptr, meta_ptr, epochs_ptr, recv_cou
 @triton.jit(do_not_specialize=["T", "rank", "CT", "NC"])
 def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr, ordinals_ptr,
                            expert_counts_ptr, rank_counts_ptr, totals_ptr, bases_ptr, peer_bases_ptr, epochs_ptr,
-                           send_counter_ptr,
-                           recv_counter_ptr, status_ptr, scratch_ptr,
+                           send_counter_ptr, status_ptr, scratch_ptr,
                            row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                            signal_ptr, counts_ptr, meta_ptr,
                            off_x, off_scales, off_meta, off_counts, off_signal, off_sx, off_ss, off_sm, off_scounts,
@@ -543,11 +542,12 @@ def _dispatch_fused_kernel(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w
     if last_program_done(send_counter_ptr, True):
         _publish(peer_bases_ptr, off_counts, off_signal, off_scounts, expert_counts_ptr, rank_counts_ptr, totals_ptr,
                  rank, R, L, ranks_per_node, epoch + 1, L_PAD, R_PAD, OWN_LAYOUT == LAYOUT_SCANNED, REMOTE, EMULATE)
+        # every program has counted itself, so has read the epoch: it moves on here, and the
+        # receive below needs no second count at its end (the split receive keeps one)
+        tl.store(epochs_ptr, epoch + 1)
     _recv_layout(signal_ptr, counts_ptr, meta_ptr, epoch + 1, status_ptr, scratch_ptr,
                  row_ids_ptr, row_offsets_ptr, num_tokens_ptr, src_offsets_ptr, recv_counts_ptr,
                  rank, R, L, N, CAP, ALIGN, timeout_ns, max_spins, K, K_PAD, R_PAD, L_PAD, A_PAD, BJ, USE_TIMER)
-    if last_program_done(recv_counter_ptr, False):
-        tl.store(epochs_ptr, epoch + 1)
 
 
 # ---- launchers -----------------------------------------------------------------------------
@@ -840,6 +840,7 @@ def dispatch_fused(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tens
     send_args, send_meta, warps = _send_named(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, chunk,
                                               bufs, ws, budget)
     recv_args, recv_meta = _recv_named(cfg, recv, bufs, ws)
+    del recv_args["recv_counter_ptr"]  # the send's last program moves the epoch on
     meta = {**send_meta, **recv_meta}
     work = max(_send_work(x_TH.shape[0], meta["BT"], send_args["NC"]),
                triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]))
