@@ -12,7 +12,8 @@ Protocol (one round of one group, dispatch or combine):
    (monotonic, so nothing is ever cleared and a fast peer running ahead cannot be missed),
    bounded by a timeout that sets error bits instead of hanging;
 4. the last program of the receive launch advances the rank's epoch (its counter at GPU
-   scope: nothing outside this GPU waits on it).
+   scope: nothing outside this GPU waits on it); in a fused launch whose send counts its
+   programs, the send's last program does, since every program has read the epoch by then.
 """
 
 from __future__ import annotations
