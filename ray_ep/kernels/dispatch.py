@@ -110,6 +110,10 @@ def _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, bases_
         lo = toks * 0
         before_e = tl.zeros((BT, K_PAD), dtype=tl.int32)  # earlier (token, k) with the same expert
         before_r = tl.zeros((BT, R_PAD), dtype=tl.int32)  # earlier tokens sent to rank r
+    # hits per lane of a chunk, summed once after the loop: a sum across the chunk's lanes
+    # crosses warps (shared memory and barriers), ~40 barriers a chunk when taken per k
+    hits_e = tl.zeros((BT, K_PAD, CH), dtype=tl.int32)
+    hits_r = tl.zeros((BT, CH, R_PAD), dtype=tl.int32)
     last = tl.max(tl.where(tm, toks, 0), axis=0)
     for j0 in range(tl.min(tl.where(tm, lo, last), axis=0), last, CH):
         jj = j0 + tl.arange(0, CH)
@@ -118,10 +122,11 @@ def _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, bases_
         for k in tl.static_range(K):
             idj = tl.load(ids_ptr + jj * stride_ids + k, mask=jj < T, other=-1)
             okj = (idj >= 0) & (idj < E)
-            hit = (idj[None, None, :] == ids[:, :, None]) & (okj[None, :] & earlier)[:, None, :]
-            before_e += tl.sum(hit.to(tl.int32), axis=2)
+            hits_e += ((idj[None, None, :] == ids[:, :, None]) & (okj[None, :] & earlier)[:, None, :]).to(tl.int32)
             goes_j = tl.maximum(goes_j, _on_rank(idj, okj, L, rr))
-        before_r += tl.sum((earlier[:, :, None] & (goes_j[None, :, :] > 0)).to(tl.int32), axis=1)
+        hits_r += (earlier[:, :, None] & (goes_j[None, :, :] > 0)).to(tl.int32)
+    before_e += tl.sum(hits_e, axis=2)
+    before_r += tl.sum(hits_r, axis=1)
     tl.store(slots_ptr + toks[:, None] * R + rr[None, :], tl.where(goes > 0, before_r, -1),
              mask=tm[:, None] & (rr[None, :] < R))
     tl.store(ordinals_ptr + toks[:, None] * K + kk[None, :], tl.where(valid, before_e, -1), mask=mk)
