@@ -269,7 +269,7 @@ def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank:
 
 def _scan_tile(B: int) -> tuple[int, int, int]:
     """(columns, rows, warps) of a scan program over B blocks. On a GPU the scan is a chain of
-    dependent loads, so few columns (more programs) and the rows in one or two tiles: one H200,
+    dependent loads, so few columns (more programs) and rows in tiles of up to 512: one H200,
     count + scan from CUDA graphs, 4096 tokens (B 256) over 4 ranks x 64 experts, 6.91 us at
     32 columns x 64 rows and 4 warps, 4.32 at 4 x 256 and 8; 8192 tokens (B 512) over 8 x 32,
     11.77 -> 6.26 at 4 x 512 and 8 (the count alone 2.0 / 3.6; docs/perf.md v44). The
