@@ -757,7 +757,7 @@ def _send_work(T: int, rows: int, chunks: int) -> int:
 def _recv_named(cfg: EPConfig, recv: RecvLayout, bufs: SymmetricBuffers, ws: Workspace) -> tuple[dict, dict]:
     """Arguments and constexprs of the receive half."""
     timeout_ns, max_spins = timeouts(cfg)
-    args = dict(recv_counter_ptr=ws.counters[COUNTER_DISPATCH_RECV:], status_ptr=ws.status, scratch_ptr=ws.scratch,
+    args = dict(status_ptr=ws.status, scratch_ptr=ws.scratch,
                 row_ids_ptr=recv.row_ids_M, row_offsets_ptr=recv.row_offsets_L1, num_tokens_ptr=recv.num_tokens_L,
                 src_offsets_ptr=recv.src_offsets_RL, recv_counts_ptr=recv.recv_counts_R, CAP=cfg.max_recv_rows,
                 ALIGN=cfg.expert_alignment, timeout_ns=timeout_ns, max_spins=max_spins,
@@ -813,6 +813,8 @@ def dispatch_recv(*, cfg: EPConfig, layout: DispatchLayout, bufs: SymmetricBuffe
     """
     recv = out if out is not None else RecvLayout.allocate(cfg, bufs.device)
     args, meta = _recv_named(cfg, recv, bufs, ws)
+    # its last program moves the epoch on (a fused launch's send does it, see _dispatch_fused_kernel)
+    args["recv_counter_ptr"] = ws.counters[COUNTER_DISPATCH_RECV:]
     launch(_dispatch_recv_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]),
            device=bufs.device, budget=_scratch_cap(ws, num_sms or cfg.num_sms), resident=True, args=args, meta=meta)
     if check:
@@ -845,7 +847,6 @@ def dispatch_fused(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tens
     send_args, send_meta, warps = _send_named(cfg, x_TH, topk_ids_TK, topk_weights_TK, layout, how, bases, chunk,
                                               bufs, ws, budget)
     recv_args, recv_meta = _recv_named(cfg, recv, bufs, ws)
-    del recv_args["recv_counter_ptr"]  # the send's last program moves the epoch on
     meta = {**send_meta, **recv_meta}
     work = max(_send_work(x_TH.shape[0], meta["BT"], send_args["NC"]),
                triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]))
