@@ -481,6 +481,43 @@ def test_where_a_round_trip_went_wrong():
     assert f"channels in 4 group(s) of 128 (0-3), out / expected {share:.3g} ({share:.3g} to {share:.3g})" in text
 
 
+def test_where_rows_are_misplaced():
+    """misplaced_rows counts expert-major rows whose token did not choose the segment's expert,
+    and where_misplaced says how many of them name a row past what its source sent this round
+    (a position this round's receive never wrote: stale from an earlier round), and their
+    local experts; a right receive gives 0 and ''."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ray_ep.bench.loops import misplaced_rows, where_misplaced
+    from ray_ep.kernels.dispatch import expert_major_torch
+    from ray_ep.kernels.layout import compute_layout_torch
+
+    cfg = EPConfig(hidden_size=512, n_experts=8, top_k=2, intermediate_size=128, max_tokens_per_rank=8,
+                   gpus_per_node=2)
+    R, N, K, L = 2, 8, 2, 4
+    sent = {0: torch.tensor([[0, 1], [1, 2], [0, 3], [2, 1], [3, 0]]), 1: torch.tensor([[1, 0], [2, 3], [1, 3]])}
+    meta = torch.zeros(R * N, 3 * K, dtype=torch.int32)
+    meta[:, :K] = 7  # rows no round wrote: tokens of rank 1's expert 7
+    counts = torch.zeros(R, L + 1, dtype=torch.int32)
+    for src, ids in sent.items():  # every token has its experts on rank 0: its slot there is its index
+        lay = compute_layout_torch(topk_ids_TK=ids.int(), world_size=R, experts_per_rank=L)
+        meta[src * N:src * N + len(ids), :2 * K] = torch.cat([ids.int(), lay.ordinals_TK], dim=1)
+        counts[src, 0] = len(ids)
+        counts[src, 1:] = lay.expert_counts_E[:L]
+    recv = expert_major_torch(cfg=cfg, rank=0, counts_RL1=counts, meta_rows=meta,
+                              row_base_R=torch.arange(R, dtype=torch.int32) * N)
+    h = SimpleNamespace(recv=recv, meta_rows=meta)
+    assert misplaced_rows(h, cfg, 0) == 0 and where_misplaced(h, cfg, 0) == ""
+    offs = recv.row_offsets_L1.tolist()
+    recv.row_ids_M[offs[1]] = 5  # expert 1's first row: source 0's row 5, which it did not send
+    recv.row_ids_M[offs[2]] = N + 0  # expert 2's first row: source 1's token 0, which chose 1 and 0
+    assert misplaced_rows(h, cfg, 0) == 2
+    assert where_misplaced(h, cfg, 0) == ("2 expert-major rows of tokens that did not choose the expert (1 of them "
+                                          "name a row past what its source sent this round), local experts 1-2")
+
+
 def _assert_dead(actors, within_s: float = 30.0):
     """Every actor stops answering within ``within_s``: ray.kill is asynchronous, so a ping that
     reaches an actor before its kill lands is still answered (seen once in CI); poll until the

@@ -112,10 +112,10 @@ def _check_against_reference(cluster, name: str, cfg: EPConfig, tokens: int, see
         for fused in (True, False):  # back-to-back rounds: no rank overwrites rows a peer still reads
             soak = cluster.run(run_row, "soak", group=name, rounds=200, num_tokens=soak_tokens, routing="skewed",
                                fused=fused)
-            assert sum(r["misplaced_rows"] for r in soak) == 0
+            where = "; ".join(f"rank {r['rank']}: {r['detail']}" for r in soak if r["detail"])
+            assert sum(r["misplaced_rows"] for r in soak) == 0, f"soak fused={fused}: {where}"
             worst = max(r["max_rel_error"] for r in soak)
-            assert worst <= SOAK_TOL, f"soak fused={fused}: rel error {worst:.3e}; " + \
-                "; ".join(f"rank {r['rank']}: {r['detail']}" for r in soak if r["detail"])
+            assert worst <= SOAK_TOL, f"soak fused={fused}: rel error {worst:.3e}; {where}"
     finally:
         cluster.call_workers("drop_group", name)
 

@@ -96,11 +96,9 @@ def identity_outputs(h: DispatchHandle) -> torch.Tensor:
     return h.expert_major_rows().to(torch.bfloat16)
 
 
-def misplaced_rows(h: DispatchHandle, cfg: EPConfig, rank: int) -> int:
-    """Expert-major rows whose token did not choose the segment's expert (must be 0)."""
+def _misplaced_mask(h: DispatchHandle, cfg: EPConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(misplaced [M] bool, the local expert of each expert-major row [M])."""
     L, K = cfg.experts_per_rank, cfg.top_k
-    if not h.meta_rows.shape[0]:  # the torch backend's packed receive: nothing arrived
-        return 0
     r = h.recv
     offs = r.row_offsets_L1.long()
     seg = torch.searchsorted(offs[1:], torch.arange(r.row_ids_M.numel(), device=offs.device), right=True)
@@ -108,7 +106,33 @@ def misplaced_rows(h: DispatchHandle, cfg: EPConfig, rank: int) -> int:
     real = (ids >= 0) & (seg < L)
     chosen = h.meta_rows[ids.clamp(min=0)][:, :K].long()
     ok = (chosen == (rank * L + seg)[:, None]).any(dim=1)
-    return int((real & ~ok).sum())
+    return real & ~ok, seg
+
+
+def misplaced_rows(h: DispatchHandle, cfg: EPConfig, rank: int) -> int:
+    """Expert-major rows whose token did not choose the segment's expert (must be 0). Read the
+    handle before the combine on several ranks: after it a peer may already be dispatching the
+    next round into this rank's received rows."""
+    if not h.meta_rows.shape[0]:  # the torch backend's packed receive: nothing arrived
+        return 0
+    return int(_misplaced_mask(h, cfg, rank)[0].sum())
+
+
+def where_misplaced(h: DispatchHandle, cfg: EPConfig, rank: int) -> str:
+    """Where expert-major rows are misplaced, in one line: how many name a row past what its
+    source sent this round (a position this round's receive never wrote: a gap or a collision
+    among the ordinals, or wrong counts), and the local experts of them."""
+    if not h.meta_rows.shape[0]:
+        return ""
+    bad, seg = _misplaced_mask(h, cfg, rank)
+    if not bool(bad.any()):
+        return ""
+    N = cfg.max_tokens_per_rank
+    j = h.recv.row_ids_M.long()[bad]
+    stale = int((j % N >= h.recv.recv_counts_R.long()[j // N]).sum())
+    experts = torch.unique(seg[bad]).tolist()
+    return (f"{int(bad.sum())} expert-major rows of tokens that did not choose the expert ({stale} of them name a "
+            f"row past what its source sent this round), local experts {_spans(experts)}")
 
 
 def expected_round_trip(x: torch.Tensor, w: torch.Tensor, cfg: EPConfig) -> torch.Tensor:
@@ -176,15 +200,18 @@ def where_off(out: torch.Tensor, exp: torch.Tensor, ids: torch.Tensor, cfg: EPCo
 
 
 def round_trip_figures(h: DispatchHandle, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                       cfg: EPConfig, rank: int) -> tuple[float, int, int, int, str]:
+                       cfg: EPConfig, rank: int, misplaced: tuple[int, str] | None = None
+                       ) -> tuple[float, int, int, int, str]:
     """(round-trip error, misplaced rows, rows sent to other ranks, rows received, where it
-    failed: :func:`where_wrong`, '' when it passed) of one checked dispatch + identity-expert
-    combine."""
+    failed: :func:`where_misplaced`, :func:`where_wrong`; '' when it passed) of one checked
+    dispatch + identity-expert combine. ``misplaced``: (count, where) taken from the handle
+    before the combine (:func:`misplaced_rows`); else they are read now, so a caller on several
+    ranks must keep peers from dispatching again until every rank is done here."""
     remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
-    err, bad = round_trip_error(out, x, w, cfg), misplaced_rows(h, cfg, rank)
-    detail = where_wrong(out, x, ids, w, cfg) if err > ROUND_TRIP_TOL else ""
-    if bad:
-        detail = f"{bad} expert-major rows of tokens that did not choose the expert" + (f"; {detail}" if detail else "")
+    bad, where = misplaced if misplaced is not None else (misplaced_rows(h, cfg, rank), where_misplaced(h, cfg, rank))
+    err = round_trip_error(out, x, w, cfg)
+    wrong = where_wrong(out, x, ids, w, cfg) if err > ROUND_TRIP_TOL else ""
+    detail = "; ".join(part for part in (where if bad else "", wrong) if part)
     return err, bad, remote, int(h.recv.recv_counts_R.sum()), detail
 
 
@@ -196,8 +223,11 @@ def soak(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rounds
     for i in range(rounds):
         x, ids, w = rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device)
         h = t.dispatch(x, ids, w, fused=fused)
+        # the received rows before the combine: after it a faster peer may already be
+        # dispatching the next round into them (no barrier between rounds here)
+        placed = misplaced_rows(h, cfg, rank), where_misplaced(h, cfg, rank)
         out = t.combine(identity_outputs(h), h, torch.bfloat16, fused=fused)
-        err, misplaced, _, _, where = round_trip_figures(h, out, x, ids, w, cfg, rank)
+        err, misplaced, _, _, where = round_trip_figures(h, out, x, ids, w, cfg, rank, misplaced=placed)
         if where and not detail:  # the first failed round says where
             detail = f"round {i}: {where}"
         worst, bad = max(worst, err), bad + misplaced
