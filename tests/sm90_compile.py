@@ -368,6 +368,31 @@ def _block_loop_barriers(ptx: str) -> int:
                if re.search(_BARRIER, lines[i]) and not any(c <= i <= d for c, d in rows))
 
 
+_VOLATILE_LOAD = re.compile(r"ld[.]volatile[.]global[^[]*\[\s*(%rd\d+)")
+
+
+def _unfenced_updates(ptx: str) -> int:
+    """Volatile loads of a global word that a later store overwrites through the same address
+    register with no CTA barrier (``bar.sync``) between: a running value that every warp reads
+    and one warp moves on. A warp that loads after another warp's store reads it already moved
+    on (the chunked send's assign numbered entries twice that way now and then; docs/perf.md
+    v45)."""
+    lines = ptx.splitlines()
+    n = 0
+    for i, line in enumerate(lines):
+        m = _VOLATILE_LOAD.search(line)
+        if not m:
+            continue
+        store = re.compile(r"\bst[.]global[^[]*\[\s*" + re.escape(m.group(1)) + r"\b")
+        for later in lines[i + 1:]:
+            if re.search(_BARRIER, later):
+                break
+            if store.search(later):
+                n += 1
+                break
+    return n
+
+
 def compile_sm90(kernel, args, meta, bitcode: str | None, options: dict | None = None, specialize: bool = False):
     """A cubin of ``kernel`` for sm_90. ``specialize``: as Triton's JIT does at a launch, an
     integer argument equal to 1 becomes a constant and pointers and integers divisible by 16
@@ -478,6 +503,7 @@ def main() -> int:
                   f"narrow_stores={_narrow_stores(ck.asm['ptx'])}, tma={'cp.async.bulk.tensor' in ck.asm['ptx']}, "
                   f"warps={options.get('num_warps', 4)}, row_loop_barriers={_row_loop_barriers(ck.asm['ptx'])}, "
                   f"block_loop_barriers={_block_loop_barriers(ck.asm['ptx'])}, "
+                  f"unfenced_updates={_unfenced_updates(ck.asm['ptx'])}, "
                   f"early_load_uses={_early_load_uses(_sass(ck.asm['cubin']))}, "
                   f"shared={ck.metadata.shared}")
         except Exception:  # noqa: BLE001 - report every kernel

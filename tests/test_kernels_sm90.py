@@ -89,6 +89,10 @@ def test_single_node_kernels_compile(dtype):
     sends = [line for line in lines if "_combine_" in line and "recv" not in line and "warps=32," in line]
     assert len(sends) == 2, out  # fused and send
     assert all("block_loop_barriers=0," in line for line in sends), out
+    # no running value read by every warp and moved on by one without a barrier between: the
+    # chunked send's assign once did, and a warp that loaded late numbered its entries past the
+    # block's (two entries on one ordinal, now and then on a GPU, never in the interpreter)
+    assert all("unfenced_updates=0," in line for line in lines), out
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8", "nvfp4"])

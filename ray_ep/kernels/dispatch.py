@@ -597,8 +597,10 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
     v27 to v41 at 16 SMs on 4 GPUs, up to 24 on 2) its round trip came out wrong in 12 of 28
     benchmark checks on 4x H200 at 16 SMs (errors 0.13-0.63 of the largest value, no row
     misplaced; docs/perf.md v42), never in the 8-row form (58 runs at 16 and 24 SMs) nor in
-    nvfp4's whole steps; the cause is not found yet. The cost, v27's 4x H200 call at 16 SMs:
-    351.0 us against 347.0 (both reading fp8 rows as words).
+    nvfp4's whole steps. The likeliest cause, a race in the chunked send's assign (a warp
+    could read its experts' running rows after another warp had moved them on), is fixed
+    (docs/perf.md v45); whole steps come back once a GPU confirms it. The cost, v27's 4x H200
+    call at 16 SMs: 351.0 us against 347.0 (both reading fp8 rows as words).
     """
     multiple = {"fp8": FP8_GROUP, "nvfp4": 32}.get(cfg.dispatch_dtype, 8)
     rows, step, warps = comm_tile(cfg.hidden_size, device, budget, "dispatch", multiple=multiple, tokens=tokens)

@@ -156,6 +156,10 @@ def assign_block(ids_ptr, stride_t, t0, end, run, run_r, slots_ptr, ordinals_ptr
     tl.store(ordinals_ptr + toks[:, None] * K + kk[None, :], tl.where(valid, rows_e + earlier, -1),
              mask=(toks[:, None] < end) & (kk[None, :] < K))
     last = valid & (later == 0)  # the block's last (token, k) of its expert moves its row on
+    # every warp has loaded the running rows before any warp moves one on: warps run apart, and
+    # one loading after another's store would number its entries past this block's (wrong
+    # ordinals now and then on a GPU, never in the interpreter, which runs a block as one)
+    tl.debug_barrier()
     tl.store(at, rows_e + upto, mask=last)
     return _store_slots(goes, run_r, toks, end, slots_ptr, R, R_PAD)
 
@@ -204,6 +208,7 @@ def assign_block_sorted(ids_ptr, stride_t, t0, end, run, run_r, slots_ptr, ordin
     at = run + tl.where(used, expert, 0)
     rows_e = tl.load(at, mask=used, other=0, volatile=True)
     tl.store(ordinals_ptr + tok * K + p % K_PAD, rows_e + upto - own, mask=used)
+    tl.debug_barrier()  # every warp has loaded the running rows before any warp moves one on (see assign_block)
     tl.store(at, rows_e + upto, mask=used & (to_end == 1))  # the expert's last entry moves its row on
     # unused (token, k) of the block: -1
     toks = t0 + tl.arange(0, BT)
