@@ -482,15 +482,15 @@ def test_where_a_round_trip_went_wrong():
 
 
 def test_where_rows_are_misplaced():
-    """misplaced_rows counts expert-major rows whose token did not choose the segment's expert,
-    and where_misplaced says how many of them name a row past what its source sent this round
-    (a position this round's receive never wrote: stale from an earlier round), and their
-    local experts; a right receive gives 0 and ''."""
+    """placement counts expert-major rows whose token did not choose the segment's expert and
+    says how many of them name a row past what its source sent this round (a position this
+    round's receive never wrote: stale from an earlier round), and their local experts; a
+    right receive gives (0, '')."""
     from types import SimpleNamespace
 
     import torch
 
-    from ray_ep.bench.loops import misplaced_rows, where_misplaced
+    from ray_ep.bench.loops import placement
     from ray_ep.kernels.dispatch import expert_major_torch
     from ray_ep.kernels.layout import compute_layout_torch
 
@@ -509,13 +509,12 @@ def test_where_rows_are_misplaced():
     recv = expert_major_torch(cfg=cfg, rank=0, counts_RL1=counts, meta_rows=meta,
                               row_base_R=torch.arange(R, dtype=torch.int32) * N)
     h = SimpleNamespace(recv=recv, meta_rows=meta)
-    assert misplaced_rows(h, cfg, 0) == 0 and where_misplaced(h, cfg, 0) == ""
+    assert placement(h, cfg, 0) == (0, "")
     offs = recv.row_offsets_L1.tolist()
     recv.row_ids_M[offs[1]] = 5  # expert 1's first row: source 0's row 5, which it did not send
     recv.row_ids_M[offs[2]] = N + 0  # expert 2's first row: source 1's token 0, which chose 1 and 0
-    assert misplaced_rows(h, cfg, 0) == 2
-    assert where_misplaced(h, cfg, 0) == ("2 expert-major rows of tokens that did not choose the expert (1 of them "
-                                          "name a row past what its source sent this round), local experts 1-2")
+    assert placement(h, cfg, 0) == (2, "2 expert-major rows of tokens that did not choose the expert (1 of them "
+                                       "name a row past what its source sent this round), local experts 1-2")
 
 
 def _assert_dead(actors, within_s: float = 30.0):

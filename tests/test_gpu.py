@@ -257,7 +257,7 @@ def _graph_rounds(worker, group: str, fused: bool, rounds: int) -> dict:
     then replay it ``rounds`` times with fresh inputs copied into the static ones: a changing
     real token count (the rest padding, routed nowhere: ids -1), changing routing. Split forms
     run a matmul between send and receive. Returns the worst error and misplaced rows."""
-    from ray_ep.bench.loops import expected_round_trip, identity_outputs, misplaced_rows, relative_error
+    from ray_ep.bench.loops import expected_round_trip, identity_outputs, placement, relative_error
     from ray_ep.inputs import rank_inputs
 
     g = worker.group_state(group)
@@ -299,7 +299,7 @@ def _graph_rounds(worker, group: str, fused: bool, rounds: int) -> dict:
         x[:n], ids[:n], w[:n] = xi, idsi, wi
         graph.replay()
         t.check_status()  # a timeout or overflow flagged on the device raises here
-        bad += misplaced_rows(h, cfg, worker.rank)
+        bad += placement(h, cfg, worker.rank)[0]
         if n:
             exp = expected_round_trip(xi, wi, cfg)
             worst = max(worst, relative_error(out[:n], exp))

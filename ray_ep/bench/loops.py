@@ -96,43 +96,30 @@ def identity_outputs(h: DispatchHandle) -> torch.Tensor:
     return h.expert_major_rows().to(torch.bfloat16)
 
 
-def _misplaced_mask(h: DispatchHandle, cfg: EPConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(misplaced [M] bool, the local expert of each expert-major row [M])."""
-    L, K = cfg.experts_per_rank, cfg.top_k
+def placement(h: DispatchHandle, cfg: EPConfig, rank: int) -> tuple[int, str]:
+    """(misplaced rows, where) of a receive: expert-major rows whose token did not choose the
+    segment's expert (must be 0), and in one line ('' when none) how many of them name a row
+    past what its source sent this round (a position this round's receive never wrote: a gap
+    or a collision among the ordinals, or wrong counts) and their local experts. Read the
+    handle before the combine on several ranks: after it a peer may already be dispatching the
+    next round into this rank's received rows."""
+    if not h.meta_rows.shape[0]:  # the torch backend's packed receive: nothing arrived
+        return 0, ""
+    L, K, N = cfg.experts_per_rank, cfg.top_k, cfg.max_tokens_per_rank
     r = h.recv
     offs = r.row_offsets_L1.long()
     seg = torch.searchsorted(offs[1:], torch.arange(r.row_ids_M.numel(), device=offs.device), right=True)
     ids = r.row_ids_M.long()
     real = (ids >= 0) & (seg < L)
     chosen = h.meta_rows[ids.clamp(min=0)][:, :K].long()
-    ok = (chosen == (rank * L + seg)[:, None]).any(dim=1)
-    return real & ~ok, seg
-
-
-def misplaced_rows(h: DispatchHandle, cfg: EPConfig, rank: int) -> int:
-    """Expert-major rows whose token did not choose the segment's expert (must be 0). Read the
-    handle before the combine on several ranks: after it a peer may already be dispatching the
-    next round into this rank's received rows."""
-    if not h.meta_rows.shape[0]:  # the torch backend's packed receive: nothing arrived
-        return 0
-    return int(_misplaced_mask(h, cfg, rank)[0].sum())
-
-
-def where_misplaced(h: DispatchHandle, cfg: EPConfig, rank: int) -> str:
-    """Where expert-major rows are misplaced, in one line: how many name a row past what its
-    source sent this round (a position this round's receive never wrote: a gap or a collision
-    among the ordinals, or wrong counts), and the local experts of them."""
-    if not h.meta_rows.shape[0]:
-        return ""
-    bad, seg = _misplaced_mask(h, cfg, rank)
-    if not bool(bad.any()):
-        return ""
-    N = cfg.max_tokens_per_rank
-    j = h.recv.row_ids_M.long()[bad]
-    stale = int((j % N >= h.recv.recv_counts_R.long()[j // N]).sum())
-    experts = torch.unique(seg[bad]).tolist()
-    return (f"{int(bad.sum())} expert-major rows of tokens that did not choose the expert ({stale} of them name a "
-            f"row past what its source sent this round), local experts {_spans(experts)}")
+    bad = real & ~(chosen == (rank * L + seg)[:, None]).any(dim=1)
+    n = int(bad.sum())
+    if not n:
+        return 0, ""
+    j = ids[bad]
+    stale = int((j % N >= r.recv_counts_R.long()[j // N]).sum())
+    return n, (f"{n} expert-major rows of tokens that did not choose the expert ({stale} of them name a row past "
+               f"what its source sent this round), local experts {_spans(torch.unique(seg[bad]).tolist())}")
 
 
 def expected_round_trip(x: torch.Tensor, w: torch.Tensor, cfg: EPConfig) -> torch.Tensor:
@@ -200,18 +187,18 @@ def where_off(out: torch.Tensor, exp: torch.Tensor, ids: torch.Tensor, cfg: EPCo
 
 
 def round_trip_figures(h: DispatchHandle, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                       cfg: EPConfig, rank: int, misplaced: tuple[int, str] | None = None
+                       cfg: EPConfig, rank: int, placed: tuple[int, str] | None = None
                        ) -> tuple[float, int, int, int, str]:
     """(round-trip error, misplaced rows, rows sent to other ranks, rows received, where it
-    failed: :func:`where_misplaced`, :func:`where_wrong`; '' when it passed) of one checked
-    dispatch + identity-expert combine. ``misplaced``: (count, where) taken from the handle
-    before the combine (:func:`misplaced_rows`); else they are read now, so a caller on several
-    ranks must keep peers from dispatching again until every rank is done here."""
+    failed: :func:`placement`, :func:`where_wrong`; '' when it passed) of one checked
+    dispatch + identity-expert combine. ``placed``: :func:`placement` taken before the
+    combine; else it is read now, so a caller on several ranks must keep peers from
+    dispatching again until every rank is done here."""
     remote = int(h.layout.rank_counts_R.sum() - h.layout.rank_counts_R[rank])
-    bad, where = misplaced if misplaced is not None else (misplaced_rows(h, cfg, rank), where_misplaced(h, cfg, rank))
+    bad, where = placed if placed is not None else placement(h, cfg, rank)
     err = round_trip_error(out, x, w, cfg)
     wrong = where_wrong(out, x, ids, w, cfg) if err > ROUND_TRIP_TOL else ""
-    detail = "; ".join(part for part in (where if bad else "", wrong) if part)
+    detail = "; ".join(part for part in (where, wrong) if part)
     return err, bad, remote, int(h.recv.recv_counts_R.sum()), detail
 
 
@@ -225,9 +212,9 @@ def soak(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rounds
         h = t.dispatch(x, ids, w, fused=fused)
         # the received rows before the combine: after it a faster peer may already be
         # dispatching the next round into them (no barrier between rounds here)
-        placed = misplaced_rows(h, cfg, rank), where_misplaced(h, cfg, rank)
+        placed = placement(h, cfg, rank)
         out = t.combine(identity_outputs(h), h, torch.bfloat16, fused=fused)
-        err, misplaced, _, _, where = round_trip_figures(h, out, x, ids, w, cfg, rank, misplaced=placed)
+        err, misplaced, _, _, where = round_trip_figures(h, out, x, ids, w, cfg, rank, placed=placed)
         if where and not detail:  # the first failed round says where
             detail = f"round {i}: {where}"
         worst, bad = max(worst, err), bad + misplaced
