@@ -35,7 +35,9 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 
 
 def record_launches(cfg) -> list[tuple]:
-    """(kernel, args, meta, warps) of one fused and one split dispatch and combine of ``cfg`` on rank 0."""
+    """(kernel, args, meta, warps) of one fused and one split dispatch and combine of ``cfg`` on
+    rank 0; under an SM budget with push also the receive that sums beside the Hopper combine
+    send (its waits on the send's per-block flags: the GPU takes that form, the CPU never)."""
     from ray_ep.kernels import _util, combine, dispatch, layout
     from ray_ep.transport.local import LocalWorld
 
@@ -63,6 +65,9 @@ def record_launches(cfg) -> list[tuple]:
         h = dispatch.dispatch_recv(cfg=cfg, layout=lay, bufs=bufs, ws=ws, num_tokens=T, check=False)
         combine.combine_send(cfg=cfg, y_MH=y, handle=h, bufs=bufs, ws=ws)
         combine.combine_recv(cfg=cfg, handle=h, bufs=bufs, ws=ws, check=False)
+        if cfg.num_sms and cfg.combine_mode == "push":
+            out = torch.zeros(T, cfg.hidden_size, dtype=torch.bfloat16)
+            combine._launch_recv(cfg, h, bufs, ws, out, None, combine.overlap_sum_sms(cfg.num_sms), flags=True)
     return seen
 
 
@@ -485,8 +490,11 @@ def main() -> int:
     if a.fp8_experts:
         launches = record_fp8_expert_launches()
     else:
-        # every SM (one row per program) and, on one node, an SM budget (whole-SM programs)
-        cfgs = (cfg,) if a.multi_node else (cfg, cfg.model_copy(update={"num_sms": 24}))
+        # every SM (one row per program) and, on one node, an SM budget (whole-SM programs), and
+        # there the pull combine too (one node only), with and without a budget
+        budgeted = cfg.model_copy(update={"num_sms": 24})
+        cfgs = (cfg,) if a.multi_node else (cfg, budgeted, cfg.model_copy(update={"combine_mode": "pull"}),
+                                             budgeted.model_copy(update={"combine_mode": "pull"}))
         launches = [(k, args, meta, {"num_warps": warps}) for c in cfgs for k, args, meta, warps in record_launches(c)]
     if a.nvfp4 and not a.multi_node:
         launches += record_nvfp4_format_launches()
@@ -501,7 +509,8 @@ def main() -> int:
             print(f"OK   {kernel.fn.__name__:<28} {len(ck.asm['cubin']):>8} B cubin, "
                   f"nvshmem={'nvshmem' in ck.asm['ptx']}, wgmma={_wgmma(ck.asm['ptx'])}, "
                   f"narrow_stores={_narrow_stores(ck.asm['ptx'])}, tma={'cp.async.bulk.tensor' in ck.asm['ptx']}, "
-                  f"warps={options.get('num_warps', 4)}, row_loop_barriers={_row_loop_barriers(ck.asm['ptx'])}, "
+                  f"warps={options.get('num_warps', 4)}, pull={meta.get('PULL', False)}, "
+                  f"flags={meta.get('FLAGS', False)}, row_loop_barriers={_row_loop_barriers(ck.asm['ptx'])}, "
                   f"block_loop_barriers={_block_loop_barriers(ck.asm['ptx'])}, "
                   f"unfenced_updates={_unfenced_updates(ck.asm['ptx'])}, "
                   f"early_load_uses={_early_load_uses(_sass(ck.asm['cubin']))}, "

@@ -60,14 +60,19 @@ def test_single_node_kernels_compile(dtype):
     # block bases), the combine's three twice (a token per SM or fewer takes wider steps); all
     # of it again under an SM budget but the dispatch's receive (the same tile), the
     # small-batch steps and the fused dispatch of a full batch (under a budget more tokens than
-    # SMs run as send and receive, see dispatch_fused); nvfp4 adds its quantise and
+    # SMs run as send and receive, see dispatch_fused); under the budget the receive that sums
+    # beside the Hopper combine send, waiting on its flags; the pull combine's send (one tile
+    # with or without a budget) and its receive for each of the three batches; nvfp4 adds its quantise and
     # dequantise kernels, and the pass that decodes nvfp4 rows for a bf16-weight grouped GEMM
     # and that GEMM; plus the layout kernels: block_bases' two (counts per token block, their
     # scan) for a send with every SM; under a budget the counts per chunk, then the assign
     # inside the bf16 / fp8 send, or in compute_layout's second launch for nvfp4. An nvfp4 send
     # with every SM takes 2048 channels per step with or without a token per SM, so its
     # small-batch layout compiles once for both (fused and send: two variants fewer)
-    assert len(lines) == (25 if dtype == "nvfp4" else 22), out
+    assert len(lines) == (30 if dtype == "nvfp4" else 27), out
+    combines = [line for line in lines if "_combine_" in line]
+    assert sum("_combine_recv" in line and "flags=True" in line for line in combines) == 1, out
+    assert sum("pull=True" in line for line in combines) == 4, out
     assert all("nvshmem=False" in line for line in lines), out
     # rows leave in 8- or 16-byte vector stores, never byte by byte: the peer pointers carry
     # their 16-byte alignment (before they did not, and every bf16 row went out in 2-byte
@@ -86,7 +91,7 @@ def test_single_node_kernels_compile(dtype):
     # nor a combine's send around its rows: it once picked each slot's expert row out of the
     # block's [rows, K] meta tile through shared memory (16 barriers a block, ~7% of the
     # combine at 24 SMs on 4x H200)
-    sends = [line for line in lines if "_combine_" in line and "recv" not in line and "warps=32," in line]
+    sends = [line for line in combines if "recv" not in line and "warps=32," in line and "pull=False" in line]
     assert len(sends) == 2, out  # fused and send
     assert all("block_loop_barriers=0," in line for line in sends), out
     # no running value read by every warp and moved on by one without a barrier between: the
