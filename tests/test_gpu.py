@@ -1,6 +1,7 @@
 """GPU suite: the nvshmem backend on 2, 4 and 8 GPUs against ray_ep.reference, and as 2 nodes
 x 2 (or x 4) GPUs on one host (two raylets; ranks of the other node reached by NVSHMEM puts
-from the kernels, never by NVLink stores).
+from the kernels, never by NVLink stores). On a one-GPU host (or anywhere with
+RAY_EP_TEST_WORLD_OF_ONE=1) a world of one: every expert on that GPU, its rows sent to itself.
 
 Skipped without CUDA, or with fewer GPUs than a case needs. For every preset (H, E, K of the
 model; a narrow expert width F so the reference's experts stay cheap) and dispatch dtype:
@@ -25,7 +26,7 @@ from ray_ep.kernels.dispatch import SELF_LAYOUT_MAX_T
 from ray_ep.reference import FP8_EXPERTS_TOLERANCE
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs at least 2 CUDA GPUs"),
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("ship_module_by_value")]  # EPCluster.run gets this module's functions
 
 # bf16 output after several bf16 roundings (see ray_ep.reference.TOLERANCE)
@@ -41,15 +42,19 @@ CASES = [  # (preset, dispatch dtype, tokens per rank for the reference check)
 ]
 
 
-# (nodes, GPUs per node); each case skips on a host with fewer GPUs (8-GPU ones: EP8 hosts)
-TOPOLOGIES = [(1, 2), (1, 4), (2, 2), (1, 8), (2, 4)]
+# (nodes, GPUs per node); each case skips on a host with fewer GPUs (8-GPU ones: EP8 hosts).
+# The world of one runs where nothing larger can (a one-GPU host) or when asked for
+TOPOLOGIES = [(1, 1), (1, 2), (1, 4), (2, 2), (1, 8), (2, 4)]
+WORLD_OF_ONE = GPUS == 1 or bool(os.environ.get("RAY_EP_TEST_WORLD_OF_ONE"))
 
 
-@pytest.fixture(scope="module", params=TOPOLOGIES, ids=["2gpu", "4gpu", "2x2", "8gpu", "2x4"])
+@pytest.fixture(scope="module", params=TOPOLOGIES, ids=["1gpu", "2gpu", "4gpu", "2x2", "8gpu", "2x4"])
 def cluster(request):
     n_nodes, per_node = request.param
     if GPUS < n_nodes * per_node:
         pytest.skip(f"needs {n_nodes * per_node} GPUs, have {GPUS}")
+    if n_nodes * per_node == 1 and not WORLD_OF_ONE:
+        pytest.skip("a world of one runs on a one-GPU host, or with RAY_EP_TEST_WORLD_OF_ONE=1")
     if ray.is_initialized():  # a 2x2 topology starts a Ray of its own (two raylets)
         ray.shutdown()
     cfg = EPConfig.preset("tiny", n_nodes=n_nodes, gpus_per_node=per_node, backend="nvshmem")
@@ -238,6 +243,8 @@ def _silent_peer(worker, silent_rank: int, group: str):
 
 
 def test_silent_peer_times_out(cluster):
+    if cluster.config.world_size < 2:
+        pytest.skip("needs a peer to silence")
     name = "test/silent"
     # long enough for the skew between the ranks' Ray calls (0.5 s was not, on 2x2), short for a test
     cfg = _group_cfg(cluster, "tiny", "bf16", recv_timeout_s=3.0)
@@ -367,6 +374,8 @@ def _graph_silent_peer(worker, silent_rank: int, group: str):
 def test_cuda_graph_replay_with_a_silent_peer_times_out(cluster):
     if cluster.config.n_nodes > 1:
         pytest.skip("graph capture is checked on one node (NVLink stores)")
+    if cluster.config.world_size < 2:
+        pytest.skip("needs a peer to silence")
     name = "test/graph-silent"
     cluster.call_workers("add_group", name, _group_cfg(cluster, "tiny", "bf16", recv_timeout_s=3.0))
     try:
