@@ -242,9 +242,13 @@ def _silent_peer(worker, silent_rank: int, group: str):
     return "no error"
 
 
-def test_silent_peer_times_out(cluster):
+def _skip_without_a_peer(cluster):
     if cluster.config.world_size < 2:
-        pytest.skip("needs a peer to silence")
+        pytest.skip("a world of one has no peer to silence")
+
+
+def test_silent_peer_times_out(cluster):
+    _skip_without_a_peer(cluster)
     name = "test/silent"
     # long enough for the skew between the ranks' Ray calls (0.5 s was not, on 2x2), short for a test
     cfg = _group_cfg(cluster, "tiny", "bf16", recv_timeout_s=3.0)
@@ -374,8 +378,7 @@ def _graph_silent_peer(worker, silent_rank: int, group: str):
 def test_cuda_graph_replay_with_a_silent_peer_times_out(cluster):
     if cluster.config.n_nodes > 1:
         pytest.skip("graph capture is checked on one node (NVLink stores)")
-    if cluster.config.world_size < 2:
-        pytest.skip("needs a peer to silence")
+    _skip_without_a_peer(cluster)
     name = "test/graph-silent"
     cluster.call_workers("add_group", name, _group_cfg(cluster, "tiny", "bf16", recv_timeout_s=3.0))
     try:
