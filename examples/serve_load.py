@@ -4,9 +4,11 @@
 
 Sends seeded random prompts (ids below the server's vocabulary) from a thread pool with a
 bounded number of requests in flight; prints requests/s, generated tokens/s and latency
-percentiles seen by the client, then the server's own /stats (per-phase time, tokens per
-expert, CUDA graphs: whether the MoE layers replay them, captures and replays). Needs only
-`requests`.
+percentiles seen by the client, then the server's steps during the timed requests alone (from
+its /stats before and after them: steps, sequences per step, ms per step and per phase, so that
+warm-up, compiles and graph captures before them do not blur the figures), then its cumulative
+/stats (tokens per expert, CUDA graphs: whether the MoE layers replay them, captures and
+replays). Needs only `requests`.
 """
 
 from __future__ import annotations
@@ -59,15 +61,40 @@ def main() -> int:
     lo, hi = (int(v) for v in args.prompt_len.split(","))
     if args.warmup:
         run(args.url, args.warmup, 1, 1, (lo, hi), args.vocab, seed=1)
+    before = requests.get(args.url + "/stats", timeout=60).json()
     r = run(args.url, args.requests, args.concurrency, args.new_tokens, (lo, hi), args.vocab)
     print(f"{r['requests']} requests x {r['new_tokens']} new tokens, {r['concurrency']} in flight: {r['ok']} ok in "
           f"{r['wall_s']:.1f} s; {r['requests_per_s']:.1f} requests/s, {r['tokens_per_s']:.0f} tokens/s; latency "
           f"p50 {r['p50_ms']:.0f} ms, p90 {r['p90_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms")
     stats = requests.get(args.url + "/stats", timeout=60).json()
+    print(window_line(before, stats))
     print(json.dumps({k: stats.get(k) for k in ("tokens_per_s", "latency_s", "batches", "phases", "tokens_per_expert")},
                      indent=1))
     print(graph_line(stats.get("cuda_graph")))
     return 0 if r["ok"] == r["requests"] else 1
+
+
+def window_line(before: dict, after: dict) -> str:
+    """The server's steps between two /stats snapshots: their count, sequences per step, ms per
+    step and per phase per step (the slowest rank's, summed over the MoE layers).
+
+    >>> window_line({"batches": {"steps": 10, "step_seconds": 1.0, "mean_sequences": 2.0},
+    ...              "phases": {"dense": {"seconds": 0.5}}},
+    ...             {"batches": {"steps": 30, "step_seconds": 1.4, "mean_sequences": 11.0},
+    ...              "phases": {"dense": {"seconds": 0.7}, "layer": {"seconds": 0.1}}})
+    'server, timed requests only: 20 steps, 15.5 sequences per step, 20.0 ms per step (dense 10.0, layer 5.0)'
+    """
+    b0, b1 = before.get("batches") or {}, after.get("batches") or {}
+    steps = b1.get("steps", 0) - b0.get("steps", 0)
+    if steps <= 0:
+        return "server, timed requests only: no steps"
+    seqs = b1["mean_sequences"] * b1["steps"] - b0.get("mean_sequences", 0.0) * b0.get("steps", 0)
+    ms = (b1["step_seconds"] - b0.get("step_seconds", 0.0)) / steps * 1e3
+    p0, p1 = before.get("phases") or {}, after.get("phases") or {}
+    phases = ", ".join(f"{name} {(p1[name]['seconds'] - p0.get(name, {}).get('seconds', 0.0)) / steps * 1e3:.1f}"
+                       for name in p1)
+    return (f"server, timed requests only: {steps} steps, {seqs / steps:.1f} sequences per step, {ms:.1f} ms per step"
+            + (f" ({phases})" if phases else ""))
 
 
 def graph_line(g: dict | None) -> str:

@@ -329,6 +329,47 @@ def test_moe_layer_reference_is_the_reference_math():
     assert moe_layer_reference(x[:0], ids[0][:0], ws[0][:0], w, world_size=2).shape == (0, 128)
 
 
+def test_attention_over_a_padded_batch_is_each_sequence_alone():
+    # the batched form against the plain loop: each sequence attends over its own rows only,
+    # its positions 0..n-1, causally (lengths in any order, one of a single token)
+    from ray_ep.serving.model import _attention, _rope, _rope_tables
+
+    torch.manual_seed(0)
+    lengths, NH, H = [5, 1, 9, 3], 4, 32
+    cos, sin = _rope_tables(MoEModelConfig(hidden_size=H, n_heads=NH, max_seq_len=16), "cpu")
+    h, wqkv, wo = torch.randn(sum(lengths), H), torch.randn(H, 3 * H) / H**0.5, torch.randn(H, H) / H**0.5
+    want, start = [], 0
+    for n in lengths:
+        q, k, v = (h[start:start + n] @ wqkv).view(n, 3, NH, H // NH).unbind(1)
+        q, k = _rope(q, cos[:n], sin[:n]), _rope(k, cos[:n], sin[:n])
+        o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                                             v.transpose(0, 1), is_causal=True)
+        want.append(o.transpose(0, 1).reshape(n, H) @ wo)
+        start += n
+    want = torch.cat(want)
+    got = _attention(h, wqkv, wo, lengths, NH, cos, sin)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    # a row depends on nothing after it: changing the last token of sequence 0 leaves its
+    # other rows and every other sequence as they were
+    h2 = h.clone()
+    h2[4] += 1.0
+    got2 = _attention(h2, wqkv, wo, lengths, NH, cos, sin)
+    assert torch.equal(got2[:4], got[:4]) and torch.equal(got2[5:], got[5:]) and not torch.equal(got2[4], got[4])
+
+
+def test_serve_load_reports_the_timed_window_from_two_stats_snapshots():
+    import doctest
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "examples" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = doctest.testmod(module)
+    assert result.attempted >= 2 and result.failed == 0
+    assert module.window_line({}, {"batches": {"steps": 0}}) == "server, timed requests only: no steps"
+
+
 def test_forward_reference_is_causal_and_batch_independent():
     w = init_model_weights(MODEL, seed=0)
     alone = torch.cat([forward_reference(w, [p]) for p in PROMPTS])
