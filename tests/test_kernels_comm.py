@@ -1131,6 +1131,10 @@ def test_quantising_sends_take_steps_that_divide_h(monkeypatch, dtype):
     two = cfg.model_copy(update={"gpus_per_node": 2})
     assert D._send_tile(two, cpu, 24, 4096) == budget_tile
     assert D._send_tile(two, cpu, 25, 4096) == wide_tile
+    # a batch too small to give every program of the budget whole-step blocks keeps the
+    # wide steps: 128 tokens make 16 blocks of 8 rows or 8 of 16 (on 24 SMs, 16 programs idle)
+    assert D._send_tile(two, cpu, 24, 128) == wide_tile
+    assert D._send_tile(two, cpu, 8, 128) == budget_tile
     # fp8 rows are read as words with every SM and under a budget that binds the send by its
     # SMs, as elements past it; nvfp4's always as words (aligned rows)
     x = torch.zeros(8, cfg.hidden_size, dtype=torch.bfloat16)

@@ -590,8 +590,8 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
     and 2 warps, 8 x 2048 at 16 warps, **165.4 / 241.4**; 1024 at 1 warp 167.7. Decode keeps
     4096 channels at 4 warps (from CUDA graphs 21.7 us against 21.5 a block per thread;
     2048 at 2 warps 25.0). nvfp4's send under a budget that binds it by its SMs
-    (:func:`_bound_by_its_sms`), and with every SM, then takes steps that divide H
-    (:func:`_whole_steps`).
+    (:func:`_bound_by_its_sms`; unless that idles SMs of the budget, :func:`_idles_the_budget`),
+    and with every SM, then takes steps that divide H (:func:`_whole_steps`).
 
     fp8's send keeps its 8 rows x 2048 channels under every budget. With whole steps (16 x 1024,
     v27 to v41 at 16 SMs on 4 GPUs, up to 24 on 2) its round trip came out wrong in 12 of 28
@@ -613,7 +613,8 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
         channels = COMM_WARPS * 32 * (2 if decode else 1) * NVFP4_BLOCK
         step = max(step, min(channels, triton.next_power_of_2(cfg.hidden_size)))
     if budget:
-        whole = cfg.dispatch_dtype == "nvfp4" and _bound_by_its_sms(budget, cfg.world_size)
+        whole = (cfg.dispatch_dtype == "nvfp4" and _bound_by_its_sms(budget, cfg.world_size)
+                 and not _idles_the_budget(tokens, rows, budget))
     else:
         whole = cfg.dispatch_dtype == "nvfp4" and not decode
     if whole:
@@ -649,6 +650,25 @@ def _bound_by_its_sms(budget: int, world_size: int) -> bool:
     return budget * (world_size - 1) <= SM_BOUND_PEER_SMS * world_size
 
 
+def _idles_the_budget(tokens: int | None, rows: int, budget: int) -> bool:
+    """Whether doubling a send's ``rows`` (whole steps) would lengthen its busiest program:
+    a batch of ``tokens`` in blocks of ``rows`` on ``budget`` programs, each program's rows
+    counted over its rounds. A small batch then leaves SMs of the budget idle (2x H200, decode
+    128 tokens at 24 SMs: nvfp4 at 16 rows took 8 programs, 31.2 us, where fp8's 8 rows took 16,
+    24.1 us); a large one loses nothing (4096 tokens at 24 SMs: 176 rows either way).
+
+    >>> _idles_the_budget(128, 8, 24), _idles_the_budget(4096, 8, 24), _idles_the_budget(None, 8, 24)
+    (True, False, False)
+    """
+    if tokens is None:
+        return False
+
+    def busiest(r: int) -> int:
+        return -(-(-(-tokens // r)) // budget) * r
+
+    return busiest(2 * rows) > busiest(rows)
+
+
 def _whole_steps(rows: int, step: int, H: int) -> tuple[int, int]:
     """(rows, step) with the same threads, the step halved (and the rows doubled) until it
     divides H, down to WHOLE_STEP_MIN channels: a quantising send's threads each pay for their
@@ -682,7 +702,7 @@ def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchL
         layout = compute_layout(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L, num_sms=budget)
         return layout, LAYOUT_GIVEN, None, 0
     if T > SELF_LAYOUT_MAX_T and budget:
-        bt = _send_tile(cfg, dev, budget)[0]
+        bt = _send_tile(cfg, dev, budget, T)[0]
         bases, chunk, _ = count_chunks(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L, programs=budget,
                                        multiple=bt)
         totals = torch.empty(R * L + R, dtype=torch.int32, device=dev)  # written by the last chunk's program
