@@ -228,6 +228,7 @@ def test_forward_rank_on_a_cpu_worker_runs_eager_layers():
     seqs = [PROMPTS[0], PROMPTS[2]]
     ids, vals = _forward_rank(worker, seqs, 3, "fp32", cuda_graph=True)
     assert asked == [False] * MODEL.n_layers
+    ids, vals = torch.from_numpy(ids), torch.from_numpy(vals)
     ref = torch.topk(forward_reference(weights, seqs), 3, dim=-1)
     assert torch.equal(ids, ref.indices)
     torch.testing.assert_close(vals, ref.values)

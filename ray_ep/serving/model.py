@@ -76,6 +76,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -566,9 +567,11 @@ def _install_model(worker, config: MoEModelConfig, dense: dict[str, torch.Tensor
 
 
 def _forward_rank(worker, sequences: list[list[int]], top_n: int, out_dtype: str,
-                  cuda_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  cuda_graph: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """In a worker: forward of its sequences (maybe none), MoE layers collectively; the top
-    ``top_n`` logits of each sequence's next token, on the CPU. ``cuda_graph``: the MoE layers
+    ``top_n`` logits of each sequence's next token, as numpy arrays (ids int64, logits fp32):
+    the driver unpickles two small numpy arrays in microseconds, two torch tensors from a Ray
+    object in ~1 ms each, a step's serial cost on the driver. ``cuda_graph``: the MoE layers
     replay CUDA graphs (one per layer and token bucket, :mod:`ray_ep.graphs`); the phase timer
     wraps each whole layer (worker.moe's "layer" phase), so its syncs stay outside a capture."""
     st = worker.state.get(STATE_KEY)
@@ -586,7 +589,7 @@ def _forward_rank(worker, sequences: list[list[int]], top_n: int, out_dtype: str
         logits = forward_tokens(cfg, st["dense"], st["rope"], sequences, moe, device=worker.device,
                                 timer=worker.stats.phase)
         vals, ids = torch.topk(logits, min(top_n, cfg.vocab_size), dim=-1)
-    return ids.cpu(), vals.cpu()
+    return ids.cpu().numpy(), vals.cpu().numpy()
 
 
 def _set_profiling(worker, enabled: bool) -> None:
@@ -679,7 +682,7 @@ class EPModel:
             outs = self.cluster.run(_forward_rank, args_per_rank=args)
             for idx, (i_r, v_r) in zip(ranks, outs):
                 if idx:
-                    ids[idx], vals[idx] = i_r, v_r
+                    ids[idx], vals[idx] = torch.tensor(i_r), torch.tensor(v_r)  # Ray's arrays are read-only
         return NextTokens(ids, vals)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
