@@ -663,8 +663,9 @@ def _idles_the_budget(tokens: int | None, rows: int, budget: int) -> bool:
     if tokens is None:
         return False
 
-    def busiest(r: int) -> int:
-        return -(-(-(-tokens // r)) // budget) * r
+    def busiest(r: int) -> int:  # rows of the program with the most blocks
+        blocks = -(-tokens // r)
+        return -(-blocks // budget) * r
 
     return busiest(2 * rows) > busiest(rows)
 
