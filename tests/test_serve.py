@@ -333,7 +333,7 @@ def test_moe_layer_reference_is_the_reference_math():
 def test_attention_over_a_padded_batch_is_each_sequence_alone():
     # the batched form against the plain loop: each sequence attends over its own rows only,
     # its positions 0..n-1, causally (lengths in any order, one of a single token)
-    from ray_ep.serving.model import _attention, _rope, _rope_tables
+    from ray_ep.serving.model import _Padding, _attention, _rope, _rope_tables
 
     torch.manual_seed(0)
     lengths, NH, H = [5, 1, 9, 3], 4, 32
@@ -348,13 +348,14 @@ def test_attention_over_a_padded_batch_is_each_sequence_alone():
         want.append(o.transpose(0, 1).reshape(n, H) @ wo)
         start += n
     want = torch.cat(want)
-    got = _attention(h, wqkv, wo, lengths, NH, cos, sin)
+    pad = _Padding.of(lengths, "cpu")
+    got = _attention(h, wqkv, wo, pad, NH, cos, sin)
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     # a row depends on nothing after it: changing the last token of sequence 0 leaves its
     # other rows and every other sequence as they were
     h2 = h.clone()
     h2[4] += 1.0
-    got2 = _attention(h2, wqkv, wo, lengths, NH, cos, sin)
+    got2 = _attention(h2, wqkv, wo, pad, NH, cos, sin)
     assert torch.equal(got2[:4], got[:4]) and torch.equal(got2[5:], got[5:]) and not torch.equal(got2[4], got[4])
 
 

@@ -378,24 +378,37 @@ def _rope(x: torch.Tensor, cos_PD2: torch.Tensor, sin_PD2: torch.Tensor) -> torc
     return torch.cat([a * c - b * s, a * s + b * c], dim=-1)
 
 
-def _attention(h_TH: torch.Tensor, wqkv: torch.Tensor, wo: torch.Tensor, lengths: Sequence[int], n_heads: int,
+@dataclass(frozen=True)
+class _Padding:
+    """Where the packed rows of B sequences sit in a batch padded to the longest, P: ``rows``
+    [T] int64 on the device, packed row -> its (sequence, position) row b * P + p."""
+
+    B: int
+    P: int
+    rows: torch.Tensor
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], device: torch.device | str) -> "_Padding":
+        B, P = len(lengths), max(lengths)
+        rows = [b * P + p for b, n in enumerate(lengths) for p in range(n)]
+        return cls(B, P, torch.tensor(rows, dtype=torch.int64, device=device))
+
+
+def _attention(h_TH: torch.Tensor, wqkv: torch.Tensor, wo: torch.Tensor, pad: _Padding, n_heads: int,
                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Causal self-attention of each packed sequence on its own (rows of one sequence are
-    contiguous in h_TH, in ``lengths`` order), all sequences in one call: padded to the
+    contiguous in h_TH, in the order of ``pad``), all sequences in one call: padded to the
     longest, where causality alone keeps every real row from the padding after it (a row
     at position p < n sees keys 0..p only). A loop over sequences cost ~10 launches per
     sequence and layer, most of the toy model's step on a GPU (20.9 of 35 ms, docs/serving.md)."""
-    T, H = h_TH.shape
+    H = h_TH.shape[1]
     D = H // n_heads
-    B, P = len(lengths), max(lengths)
-    # packed row -> its (sequence, position) row of the padded batch
-    rows = torch.tensor([b * P + p for b, n in enumerate(lengths) for p in range(n)], dtype=torch.int64,
-                        device=h_TH.device)
-    qkv = h_TH.new_zeros(B * P, 3 * H).index_copy_(0, rows, h_TH @ wqkv)
+    B, P = pad.B, pad.P
+    qkv = h_TH.new_zeros(B * P, 3 * H).index_copy_(0, pad.rows, h_TH @ wqkv)
     q, k, v = qkv.view(B, P, 3, n_heads, D).unbind(2)  # [B, P, NH, D] each
     q, k = _rope(q, cos[:P], sin[:P]), _rope(k, cos[:P], sin[:P])
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-    return o.transpose(1, 2).reshape(B * P, H).index_select(0, rows) @ wo
+    return o.transpose(1, 2).reshape(B * P, H).index_select(0, pad.rows) @ wo
 
 
 def forward_tokens(config: MoEModelConfig, dense: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
@@ -413,12 +426,13 @@ def forward_tokens(config: MoEModelConfig, dense: dict[str, torch.Tensor], rope:
         flat = [t for s in sequences for t in s]
         tokens = torch.tensor(flat, dtype=torch.int64, device=device)
         x = dense["embed"][tokens] if T else torch.zeros(0, H, device=device)
+        pad = _Padding.of(lengths, device) if T else None  # once for every layer's attention
     for i in range(config.n_layers):
         p = f"layers.{i}."
         with time_phase("dense"):
             if T:
                 h = _rms_norm(x, dense[p + "attn_norm"], config.norm_eps)
-                x = x + _attention(h, dense[p + "wqkv"], dense[p + "wo"], lengths, config.n_heads, *rope)
+                x = x + _attention(h, dense[p + "wqkv"], dense[p + "wo"], pad, config.n_heads, *rope)
             h = _rms_norm(x, dense[p + "mlp_norm"], config.norm_eps)
             topk_ids, topk_weights = route(h @ dense[p + "router"], config.top_k)
         x = x + moe(i, h.to(torch.bfloat16), topk_ids, topk_weights).float()
