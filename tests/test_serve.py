@@ -51,6 +51,8 @@ MODEL = MoEModelConfig(vocab_size=64, hidden_size=128, n_layers=2, n_heads=4, ma
                        top_k=4, intermediate_size=64)
 CKPT_MODEL = MODEL.model_copy(update={"n_shared_experts": 1})
 WORKERS = 2
+# the GPU tests' ranks: two GPUs, or a world of one where the host has one (the same code path)
+GPU_WORLD = min(2, torch.cuda.device_count()) or 2
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [63, 0, 31, 17], list(range(20))]
 IN_FLIGHT = 24  # max_requests_in_flight of the app "moe" (tests send at most 16 at once)
 BODY_TIMEOUT_S = 2.0
@@ -441,22 +443,25 @@ def test_stats_and_percentiles():
     assert summarize_graphs("on", None) == {"status": "on"}  # the workers were not asked (a rebuild runs)
 
 
-@pytest.mark.multi_gpu(2)
+@pytest.mark.gpu
 @pytest.mark.parametrize("dispatch_dtype", ["bf16", "fp8"])
 def test_model_on_gpus_matches_reference(ray_session, dispatch_dtype):
-    """The EP model on 2 GPUs (nvshmem backend, Triton kernels) against the single-process
-    forward, at LOGIT_TOLERANCE['cuda']; also the NCCL baseline (torch backend on GPUs)."""
+    """The EP model on 2 GPUs (a world of one on a one-GPU host; nvshmem backend, Triton kernels)
+    against the single-process forward, at LOGIT_TOLERANCE['cuda']; also the NCCL baseline
+    (torch backend on GPUs)."""
     from ray_ep import EPCluster
     from ray_ep.serving.model import EPModel
 
     weights = init_model_weights(MODEL, seed=0)
     for backend in ("auto", "torch"):
-        cfg = MODEL.ep_config(world_size=2, max_tokens_per_rank=256, backend=backend, dispatch_dtype=dispatch_dtype)
+        cfg = MODEL.ep_config(world_size=GPU_WORLD, max_tokens_per_rank=256, backend=backend,
+                              dispatch_dtype=dispatch_dtype)
         with EPCluster(cfg, use_gpu=True) as ep:
             model = EPModel(ep, weights).load()
             nxt = model.next_tokens(PROMPTS, top_n=8)
             generated = model.generate(PROMPTS, max_new_tokens=4)
-        oracle = Oracle(weights, device="cuda", world_size=2, combine_dtype="bf16", dispatch_dtype=dispatch_dtype)
+        oracle = Oracle(weights, device="cuda", world_size=GPU_WORLD, combine_dtype="bf16",
+                        dispatch_dtype=dispatch_dtype)
         for j, p in enumerate(PROMPTS):
             top = [{"ids": nxt.top_ids[j].tolist(), "logits": nxt.top_logits[j].tolist()}]
             oracle.check(p, nxt.next_ids[j:j + 1], top)
@@ -473,18 +478,19 @@ def _same_tokens_or_near_tie(oracle: Oracle, prompts, a: list[list[int]], b: lis
             assert (ref[x[step]] - ref[y[step]]).abs() <= oracle.tol * ref.abs().max(), (p, x, y)
 
 
-@pytest.mark.multi_gpu(2)
+@pytest.mark.gpu
 def test_model_on_gpus_with_cuda_graphs(ray_session):
-    """The served model on 2 GPUs (nvshmem) with its MoE layers replayed from CUDA graphs and
-    eagerly, profiling on (its per-phase syncs must stay outside the captures): every token the
-    reference's, graph and eager the same (a difference only at a near tie: they may round the
-    shared expert's GEMM differently), and the workers replayed graphs."""
+    """The served model on 2 GPUs (a world of one on a one-GPU host; nvshmem) with its MoE layers
+    replayed from CUDA graphs and eagerly, profiling on (its per-phase syncs must stay outside
+    the captures): every token the reference's, graph and eager the same (a difference only at a
+    near tie: they may round the shared expert's GEMM differently), and the workers replayed
+    graphs."""
     from ray_ep import EPCluster
     from ray_ep.serving.model import EPModel
 
     weights = init_model_weights(MODEL, seed=0)
     # 64 tokens per rank: buckets 1 .. 64, several of them visited as the sequences grow
-    cfg = MODEL.ep_config(world_size=2, max_tokens_per_rank=64)
+    cfg = MODEL.ep_config(world_size=GPU_WORLD, max_tokens_per_rank=64)
     prompts = PROMPTS + PROMPTS[:2]
     with EPCluster(cfg, use_gpu=True) as ep:
         graphed = EPModel(ep, weights, cuda_graph=True).load()
@@ -493,7 +499,8 @@ def test_model_on_gpus_with_cuda_graphs(ray_session):
 
         def run(model: EPModel) -> list[list[int]]:
             batched = model.generate(PROMPTS, max_new_tokens=6)
-            return batched + [model.generate([p], max_new_tokens=3)[0] for p in PROMPTS[:2]]  # a rank with 0 tokens
+            # alone: on 2 ranks one of them has 0 tokens
+            return batched + [model.generate([p], max_new_tokens=3)[0] for p in PROMPTS[:2]]
 
         graphed.set_profiling(True)
         out = {"graph": run(graphed)}
@@ -501,7 +508,7 @@ def test_model_on_gpus_with_cuda_graphs(ray_session):
         out["eager"] = run(eager)
         out["graph again"] = run(graphed)  # every bucket captured by now: replays only
         gstats = summarize_graphs(graphed.cuda_graph_status, graphed.phase_stats())
-    oracle = Oracle(weights, device="cuda", world_size=2, combine_dtype="bf16")
+    oracle = Oracle(weights, device="cuda", world_size=GPU_WORLD, combine_dtype="bf16")
     for got in out.values():
         for p, ids in zip(prompts, got):
             oracle.check(p, ids)
