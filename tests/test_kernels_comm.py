@@ -1077,6 +1077,15 @@ def test_send_lays_out_its_own_tokens_like_compute_layout(T, routing, mask, budg
         assert int(world.workspaces[0].totals.abs().sum()) == 0
 
 
+def test_host_cdiv_and_next_power_of_2_are_tritons():
+    # the launchers' own helpers: Triton's are constexpr functions, slow to call from host code
+    from ray_ep.kernels._util import cdiv, next_power_of_2
+
+    assert [next_power_of_2(n) for n in range(-3, 1100)] == [triton.next_power_of_2(n) for n in range(-3, 1100)]
+    pairs = [(a, b) for a in range(0, 300) for b in (1, 2, 3, 7, 8, 32, 64, 128)]
+    assert [cdiv(a, b) for a, b in pairs] == [triton.cdiv(a, b) for a, b in pairs]
+
+
 @pytest.mark.parametrize("R,sum_channels", [(1, 8192), (2, 4096), (4, 4096), (8, 1024), (16, 512)])
 def test_tiles_under_an_sm_budget(monkeypatch, R, sum_channels):
     # the GPU's tiles (the interpreter's are whole rows): without a budget one row per

@@ -28,7 +28,7 @@ from ..config import FP8_GROUP
 from ..errors import EPInputError
 from ..fp8 import quantize_fp8_torch
 from ..validation import check_tensor
-from ._util import interpreted, num_sms, tile_shape
+from ._util import cdiv, interpreted, next_power_of_2, num_sms, tile_shape
 from .quant import quantize_group
 
 
@@ -108,7 +108,7 @@ def _tile(F: int, device: torch.device, fp8: bool) -> tuple[int, int, int]:
     if interpreted():
         rows, channels = tile_shape(F, device, multiple=multiple)
         return rows, channels, 4
-    return 1, max(multiple, min(BLOCK_CHANNELS, triton.next_power_of_2(F))), 4
+    return 1, max(multiple, min(BLOCK_CHANNELS, next_power_of_2(F))), 4
 
 
 def _check_launchable(device: torch.device) -> None:
@@ -151,10 +151,10 @@ def swiglu(*, h_M2F: torch.Tensor, row_ids_M: torch.Tensor, total_rows: torch.Te
     row_ids_M = row_ids_M.contiguous()
     fp8 = out_scales is not None
     block_m, block_f, warps = _tile(F, h_M2F.device, fp8)
-    f_blocks = triton.cdiv(F, block_f)
+    f_blocks = cdiv(F, block_f)
     # a grid the SMs hold, looping over the real rows (known on the device only): a program per
     # capacity row, most of them leaving at once, cost more than the rows (see PROGRAMS_PER_SM)
-    programs = max(1, min(triton.cdiv(M, block_m), num_sms(h_M2F.device) * PROGRAMS_PER_SM // f_blocks))
+    programs = max(1, min(cdiv(M, block_m), num_sms(h_M2F.device) * PROGRAMS_PER_SM // f_blocks))
     grid = (programs, f_blocks)
     s = out_scales if fp8 else out  # dummy pointer when unused
     _swiglu_kernel[grid](h_ptr=h_M2F, a_ptr=out, s_ptr=s, row_ids_ptr=row_ids_M, total_rows_ptr=total_rows, F=F,

@@ -39,8 +39,8 @@ from ..validation import check_tensor
 from ._shmem import other_node, put_bytes, quiet, signal, staged
 from ._sync import (at_offset, last_program_done, peer_bases, peer_ptr, release_signals, timed_out, wait_blocks,
                     wait_signals)
-from ._util import (comm_tile, fused_as_two_launches, interpreted, launch, num_sms as sm_count, remote_meta,
-                    side_stream, timeouts, tma_addressable)
+from ._util import (cdiv, comm_tile, fused_as_two_launches, interpreted, launch, next_power_of_2, num_sms as sm_count,
+                    remote_meta, side_stream, timeouts, tma_addressable)
 from . import combine_sm90 as sm90
 from .buffers import (COUNTER_COMBINE_RECV, COUNTER_COMBINE_SEND, EPOCH_COMBINE, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
@@ -415,7 +415,7 @@ def _tile(cfg: EPConfig, bufs: SymmetricBuffers, budget: int | None, tokens: int
     """(rows per program, the send's and the sum's channel constexprs, warps) of a combine
     of ``tokens`` tokens under ``budget`` (the sum's step may be wider: it holds R rows per
     token in flight, not K)."""
-    r_pad = triton.next_power_of_2(cfg.world_size)
+    r_pad = next_power_of_2(cfg.world_size)
     rows, channels, warps = comm_tile(cfg.hidden_size, bufs.device, budget, "combine", tokens=tokens)
     # the sum holds R_PAD rows' steps in flight per token
     step = PULL_SUM_CHANNELS if cfg.combine_mode == "pull" else SUM_CHANNELS.get(r_pad, 8192 // r_pad)
@@ -448,7 +448,7 @@ def combine_send(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, b
     args["off_ready"] = bufs.combine.off_ready  # the send kernel's pull arguments (the fused one has none)
     meta.update(PULL=pull, PB=PULL_BLOCK_ROWS)
     # the host does not know how many rows arrived: a grid the SMs hold at once, looping over the live blocks
-    launch(_combine_send_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), device=bufs.device,
+    launch(_combine_send_kernel, work=cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), device=bufs.device,
            budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
 
 
@@ -462,7 +462,7 @@ def _send_sm90(cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, bufs: 
                 send_counter_ptr=ws.counters[COUNTER_COMBINE_SEND:], off_x=bufs.combine.off_x,
                 off_signal=bufs.combine.off_signal, off_ready=bufs.combine.off_ready, rank=bufs.rank,
                 L=cfg.experts_per_rank, **desc, **_common_args(cfg, bufs, ws))
-    launch(sm90._combine_send_sm90_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]),
+    launch(sm90._combine_send_sm90_kernel, work=cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]),
            device=bufs.device, budget=budget, resident=True, args=args, meta=meta, warps=sm90.CONSUMER_WARPS)
 
 
@@ -495,7 +495,7 @@ def _launch_recv(cfg: EPConfig, handle: DispatchHandle, bufs: SymmetricBuffers, 
     args, meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
     args.update(bufs.combine.pull_args(), rank=bufs.rank)
     meta.update(PULL=pull, PB=block, FLAGS=flags and not pull)
-    launch(_combine_recv_kernel, work=triton.cdiv(handle.num_tokens, rows), device=bufs.device,
+    launch(_combine_recv_kernel, work=cdiv(handle.num_tokens, rows), device=bufs.device,
            budget=budget, resident=True, args=args, meta={**meta, **tile}, warps=warps)
 
 
@@ -523,7 +523,7 @@ def combine_fused(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHandle, 
     rows, send_tile, sum_tile, warps = _tile(cfg, bufs, budget, handle.num_tokens)
     send_args, send_meta = _send_named(cfg, y_MH, handle, bufs, ws, rows, budget)
     recv_args, recv_meta = _recv_named(cfg, handle, bufs, ws, out, add_TH, rows)
-    work = max(triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), triton.cdiv(handle.num_tokens, rows))
+    work = max(cdiv(cfg.world_size * cfg.max_tokens_per_rank, rows), cdiv(handle.num_tokens, rows))
     # Within one node and with every SM, each block of rows is flagged to its source, and a
     # block of tokens waits for the blocks it adds instead of every rank's last program and its
     # signals (4x H200: prefill 558.8 -> 540.1 us, decode from graphs 32.4 -> 31.1). Under an
@@ -674,7 +674,7 @@ def combine_send_torch(*, cfg: EPConfig, y_MH: torch.Tensor, handle: DispatchHan
         rows = bufs.local["combine.recv.x"][s] if pull else peer["combine.recv.x"][me]
         rows[:n] = partials[s].to(rows.dtype)
         if pull:  # each block of rows it formed is flagged, not the rank as a whole
-            peer["combine.ready.signal"][me, :triton.cdiv(n, PULL_BLOCK_ROWS)] = epoch + 1
+            peer["combine.ready.signal"][me, :cdiv(n, PULL_BLOCK_ROWS)] = epoch + 1
         else:
             peer["combine.recv_count.signal"][me] = epoch + 1
 

@@ -41,14 +41,13 @@ Triton's CPU interpreter: elsewhere the Triton send runs.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._sync import last_program_done, peer_bases
-from ._util import BUDGET_ROWS, interpreted, num_sms as sm_count, sm_major, tma_addressable
+from ._util import BUDGET_ROWS, cdiv, interpreted, next_power_of_2, num_sms as sm_count, sm_major, tma_addressable
 
 # the Triton sends' helpers, compiled as Gluon: the peer table's addresses, and the count of
 # finished programs whose last one releases the signals
@@ -326,15 +325,15 @@ def send_args(cfg, y_MH: torch.Tensor, flags: bool = False) -> tuple[dict, dict]
     handle's and buffers' arguments."""
     H = cfg.hidden_size
     box_w = box_width(H)
-    box_rows = min(BOX_ROWS, triton.next_power_of_2(H // box_w))
+    box_rows = min(BOX_ROWS, next_power_of_2(H // box_w))
     # rows as [M, H / box_w, box_w]: one bulk copy moves box_rows x box_w channels of a row
     # (past H, the last chunk's box reads as zeros and is not stored)
     y3 = y_MH.as_strided((y_MH.shape[0], H // box_w, box_w), (y_MH.stride(0), box_w, 1))
     block = [1, box_rows, box_w]
     desc = TensorDescriptor.from_tensor(y3, block, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16,
                                                                         rank=3))
-    meta = dict(K=cfg.top_k, R_PAD=triton.next_power_of_2(cfg.world_size), BJ=BLOCK_ROWS, STAGES=STAGES,
-                CHUNKS=triton.cdiv(H, box_rows * box_w), BOX_ROWS=box_rows, BOX_W=box_w, PARTS=PARTS,
+    meta = dict(K=cfg.top_k, R_PAD=next_power_of_2(cfg.world_size), BJ=BLOCK_ROWS, STAGES=STAGES,
+                CHUNKS=cdiv(H, box_rows * box_w), BOX_ROWS=box_rows, BOX_W=box_w, PARTS=PARTS,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, FLAGS=flags,
                 FLAG_EVERY=FLAG_EVERY)
     return dict(y_desc=desc), meta

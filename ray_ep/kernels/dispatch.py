@@ -38,7 +38,8 @@ from ..types import DispatchHandle, DispatchLayout, RecvLayout
 from ..validation import check_send_inputs
 from ._shmem import other_node, put_bytes, put_signal, quiet, staged
 from ._sync import at_offset, last_program_done, live_blocks, locate_block, peer_bases, release_signals, wait_signals
-from ._util import COMM_WARPS, comm_tile, fused_as_two_launches, interpreted, launch, remote_meta, small_batch, timeouts
+from ._util import (COMM_WARPS, cdiv, comm_tile, fused_as_two_launches, interpreted, launch, next_power_of_2,
+                    remote_meta, small_batch, timeouts)
 from .buffers import (COUNTER_DISPATCH_RECV, COUNTER_DISPATCH_SEND, EPOCH_DISPATCH, STATUS_OVERFLOW, STATUS_TIMEOUT,
                       SymmetricBuffers, Workspace, check_status)
 from .layout import (CHUNK_ROWS, assign_block, block_bases, block_tokens, chunk_start, compute_layout,
@@ -611,7 +612,7 @@ def _send_tile(cfg: EPConfig, device: torch.device, budget: int | None, tokens: 
         # 2048 channels a step with every SM or under a budget; a token per SM or fewer (decode)
         # takes 4096, the row in fewer steps
         channels = COMM_WARPS * 32 * (2 if decode else 1) * NVFP4_BLOCK
-        step = max(step, min(channels, triton.next_power_of_2(cfg.hidden_size)))
+        step = max(step, min(channels, next_power_of_2(cfg.hidden_size)))
     if budget:
         whole = (cfg.dispatch_dtype == "nvfp4" and _bound_by_its_sms(budget, cfg.world_size)
                  and not _idles_the_budget(tokens, rows, budget))
@@ -721,8 +722,8 @@ def _layout_for_send(cfg: EPConfig, topk_ids_TK: torch.Tensor, layout: DispatchL
 
 def _common_meta(cfg: EPConfig) -> dict:
     """Constexprs of every dispatch kernel: the padded sizes of its small index vectors."""
-    return dict(K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k), R_PAD=triton.next_power_of_2(cfg.world_size),
-                L_PAD=triton.next_power_of_2(cfg.experts_per_rank))
+    return dict(K=cfg.top_k, K_PAD=next_power_of_2(cfg.top_k), R_PAD=next_power_of_2(cfg.world_size),
+                L_PAD=next_power_of_2(cfg.experts_per_rank))
 
 
 def _common_args(cfg: EPConfig, bufs: SymmetricBuffers, ws: Workspace) -> dict:
@@ -757,7 +758,7 @@ def _send_named(cfg: EPConfig, x_TH, topk_ids_TK, topk_weights_TK, layout: Dispa
     meta = dict(FP8=_read_mode(cfg, x_TH, "fp8", budget), NVFP4=_read_mode(cfg, x_TH, "nvfp4", budget),
                 BT=bt, BLOCK_H=bh, OWN_LAYOUT=int(how), CH=64 if interpreted() else SCAN_CHUNK.get(int(how), 32),
                 SB=block_tokens(), BRANCHLESS=bt > 1, PREFETCH=cfg.dispatch_dtype != "bf16",
-                C_PAD=triton.next_power_of_2(R * L + R),
+                C_PAD=next_power_of_2(R * L + R),
                 **_common_meta(cfg), **remote_meta(cfg))
     return args, meta, warps
 
@@ -774,7 +775,7 @@ def _read_mode(cfg: EPConfig, x_TH: torch.Tensor, dtype: str, budget: int | None
 
 def _send_work(T: int, rows: int, chunks: int) -> int:
     """Programs a send can use: its chunks (LAYOUT_CHUNKED), else its blocks of rows."""
-    return chunks or triton.cdiv(T, rows)
+    return chunks or cdiv(T, rows)
 
 
 def _recv_named(cfg: EPConfig, recv: RecvLayout, bufs: SymmetricBuffers, ws: Workspace) -> tuple[dict, dict]:
@@ -785,7 +786,7 @@ def _recv_named(cfg: EPConfig, recv: RecvLayout, bufs: SymmetricBuffers, ws: Wor
                 src_offsets_ptr=recv.src_offsets_RL, recv_counts_ptr=recv.recv_counts_R, CAP=cfg.max_recv_rows,
                 ALIGN=cfg.expert_alignment, timeout_ns=timeout_ns, max_spins=max_spins,
                 **bufs.dispatch.recv_args(), **_common_args(cfg, bufs, ws))
-    meta = dict(A_PAD=triton.next_power_of_2(cfg.expert_alignment), BJ=64 if interpreted() else 32,
+    meta = dict(A_PAD=next_power_of_2(cfg.expert_alignment), BJ=64 if interpreted() else 32,
                 USE_TIMER=not interpreted(), **_common_meta(cfg))
     return args, meta
 
@@ -838,7 +839,7 @@ def dispatch_recv(*, cfg: EPConfig, layout: DispatchLayout, bufs: SymmetricBuffe
     args, meta = _recv_named(cfg, recv, bufs, ws)
     # its last program moves the epoch on (a fused launch's send does it, see _dispatch_fused_kernel)
     args["recv_counter_ptr"] = ws.counters[COUNTER_DISPATCH_RECV:]
-    launch(_dispatch_recv_kernel, work=triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]),
+    launch(_dispatch_recv_kernel, work=cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]),
            device=bufs.device, budget=_scratch_cap(ws, num_sms or cfg.num_sms), resident=True, args=args, meta=meta)
     if check:
         check_status(ws, bufs.rank, "dispatch")
@@ -872,7 +873,7 @@ def dispatch_fused(*, cfg: EPConfig, x_TH: torch.Tensor, topk_ids_TK: torch.Tens
     recv_args, recv_meta = _recv_named(cfg, recv, bufs, ws)
     meta = {**send_meta, **recv_meta}
     work = max(_send_work(x_TH.shape[0], meta["BT"], send_args["NC"]),
-               triton.cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]))
+               cdiv(cfg.world_size * cfg.max_tokens_per_rank, meta["BJ"]))
     launch(_dispatch_fused_kernel, work=work, device=bufs.device, budget=_scratch_cap(ws, budget),
            resident=True, args={**send_args, **recv_args}, meta=meta, warps=warps)
     if check:

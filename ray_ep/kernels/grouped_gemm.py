@@ -56,7 +56,8 @@ from ..config import FP8_GROUP, NVFP4_BLOCK
 from ..errors import EPInputError
 from ..nvfp4 import dequantize_nvfp4_torch
 from ..validation import check_tensor
-from ._util import expert_tile, interpreted, num_sms as sm_count, prefill_rows, tile_in_group, tma_addressable
+from ._util import (cdiv, expert_tile, interpreted, next_power_of_2, num_sms as sm_count, prefill_rows, tile_in_group,
+                    tma_addressable)
 from ..fp8 import quantize_fp8_torch
 from . import grouped_gemm_sm90 as sm90
 from .nvfp4 import unpack_nvfp4_tile
@@ -370,9 +371,9 @@ def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, a_region
     # tokens: 410 -> 390 us with its quantisation, docs/perf.md v40)
     groups = 1 if nvfp4 else STEP_GROUPS
     block_r = max(1, 32 // groups)
-    while block_r > max(1, 4 // groups) and triton.cdiv(M, block_r) < 4 * sms:
+    while block_r > max(1, 4 // groups) and cdiv(M, block_r) < 4 * sms:
         block_r //= 2
-    tiles = triton.cdiv(M, block_r)
+    tiles = cdiv(M, block_r)
     grid = (max(1, min(tiles, 8 * sms)),)
     scales = a_scales.view(torch.uint8) if nvfp4 else a_scales if a_scales is not None else a  # a: a dummy pointer
     q_scales = qs if qs is not None else q  # dummy pointer for bf16 rows
@@ -383,7 +384,7 @@ def _convert_rows(a, a_scales, row_offsets_L1, num_tokens_L, a_row_ids, a_region
         stride_sm=scales.stride(0), stride_sd=scales.stride(1), stride_qm=q.stride(0), stride_qsm=q_scales.stride(0),
         D=2 * a.shape[1] if nvfp4 else a.shape[1], HAS_ROW_IDS=a_row_ids is not None, BY_REGION=a_regions is not None,
         IN_FP8=a.dtype == torch.float8_e4m3fn, NVFP4=nvfp4, OUT_FP8=qs is not None,
-        BLOCK_L=max(2, triton.next_power_of_2(L)), BLOCK_R=block_r, GROUP_D=FP8_GROUP, num_warps=4,
+        BLOCK_L=max(2, next_power_of_2(L)), BLOCK_R=block_r, GROUP_D=FP8_GROUP, num_warps=4,
         GROUPS=groups,
     )
 
@@ -606,7 +607,7 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     bm, bo = cfg["BLOCK_M"], cfg["BLOCK_O"]
     # sum_e ceil(n_e / BM) <= (sum_e n_e + L (BM - 1)) / BM, and every tile holds >= 1 row
     worst_m_tiles = min(M, (M + L * (bm - 1)) // bm)
-    worst_tiles = worst_m_tiles * triton.cdiv(O, bo)
+    worst_tiles = worst_m_tiles * cdiv(O, bo)
     if num_sms is None and not b_fp8 and dev.type == "cuda" and prefill_rows(M // L):
         num_sms = sm_count(dev)  # bf16 weights on prefill shapes: persistent (see _launch_config)
     grid = (max(1, worst_tiles if num_sms is None else min(num_sms, worst_tiles)),)
@@ -623,7 +624,7 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
     if _flat_bf16(a, a_desc, b_fp8, grid[0], worst_tiles, out):
         _bf16_flat_kernel[grid](
             a_desc=a_desc, b_desc=b_desc, c_ptr=out, row_offsets_ptr=row_offsets_L1, num_tokens_ptr=num_tokens_L,
-            L=L, O=O, stride_cm=out.stride(0), D=D, BLOCK_L=max(2, triton.next_power_of_2(L)),
+            L=L, O=O, stride_cm=out.stride(0), D=D, BLOCK_L=max(2, next_power_of_2(L)),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_O=cfg["BLOCK_O"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
             num_stages=FLAT_STAGES)
         return out
@@ -635,7 +636,7 @@ def grouped_gemm(*, a: torch.Tensor, b_LDO: torch.Tensor, row_offsets_L1: torch.
         stride_bd=b_LDO.stride(1), stride_bo=b_LDO.stride(2), stride_bsl=bs.stride(0), stride_bsd=bs.stride(1),
         stride_bso=bs.stride(2), stride_cm=out.stride(0), stride_co=out.stride(1),
         D=D, HAS_ROW_IDS=a_row_ids is not None, B_FP8=b_fp8, GROUP_D=FP8_GROUP,
-        DOT_FP32=dev.type != "cuda", BLOCK_L=max(2, triton.next_power_of_2(L)), A_TMA=a_desc is not None,
+        DOT_FP32=dev.type != "cuda", BLOCK_L=max(2, next_power_of_2(L)), A_TMA=a_desc is not None,
         B_TMA=b_desc is not None, **cfg,
     )
     return out

@@ -69,7 +69,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -78,7 +77,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_GROUP, FP8_MAX
-from ._util import expert_tile, num_sms as sm_count, prefill_rows, sm_major, tma_addressable
+from ._util import expert_tile, next_power_of_2, num_sms as sm_count, prefill_rows, sm_major, tma_addressable
 
 _tile = gluon.jit(expert_tile.fn)  # the Triton kernels' tile order, compiled as Gluon
 
@@ -521,6 +520,6 @@ def grouped_gemm_fp8_sm90(*, a: torch.Tensor, a_scales: torch.Tensor, a_row_ids:
         b_scales, b_scales.stride(0), b_scales.stride(1), b_scales.stride(2), out, out.stride(0), out.stride(1),
         c_desc, cs, cs.stride(0), cs.stride(1), row_offsets_L1.contiguous(), num_tokens_L.contiguous(),
         torch.zeros(1, dtype=torch.int32, device=a.device), L, O,  # the tile counter
-        D=D, BLOCK_L=max(2, triton.next_power_of_2(L)), NUM_STAGES=stages, GATHER=gather,
+        D=D, BLOCK_L=max(2, next_power_of_2(L)), NUM_STAGES=stages, GATHER=gather,
         PRODUCER_WARPS=GATHER_WARPS if gather else 1, TMA_STORE=tma_store, SWIGLU=swiglu, num_warps=4)
     return out

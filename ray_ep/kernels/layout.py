@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..types import DispatchLayout
 from ..validation import check_tensor
-from ._util import interpreted, launch, num_sms as sm_count
+from ._util import cdiv, interpreted, launch, next_power_of_2, num_sms as sm_count
 
 
 def block_tokens() -> int:
@@ -256,7 +256,7 @@ def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank:
     R, L = world_size, experts_per_rank
     E = R * L
     bt = block_tokens()
-    B = max(1, triton.cdiv(T, bt))
+    B = max(1, cdiv(T, bt))
     dev = topk_ids_TK.device
     bases = torch.empty(B, E + R, dtype=torch.int32, device=dev)
     totals = torch.empty(E + R, dtype=torch.int32, device=dev)
@@ -264,10 +264,10 @@ def block_bases(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank:
     launch(_chunk_count_kernel, work=B, device=dev, budget=None, resident=False,
            args=dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, CT=bt, NC=B, counts_ptr=bases,
                      L=L, E=E, R=R),
-           meta=dict(K=K, K_PAD=triton.next_power_of_2(K), R_PAD=triton.next_power_of_2(R), TB=bt,
-                     E_PAD=triton.next_power_of_2(E)))
+           meta=dict(K=K, K_PAD=next_power_of_2(K), R_PAD=next_power_of_2(R), TB=bt,
+                     E_PAD=next_power_of_2(E)))
     bc, br, warps = _scan_tile(B)
-    launch(_scan_blocks_kernel, work=triton.cdiv(E + R, bc), device=dev, budget=None, resident=False,
+    launch(_scan_blocks_kernel, work=cdiv(E + R, bc), device=dev, budget=None, resident=False,
            args=dict(counts_ptr=bases, B=B, C=E + R, totals_ptr=totals), meta=dict(BR=br, BC=bc), warps=warps)
     return bases, totals
 
@@ -281,7 +281,7 @@ def _scan_tile(B: int) -> tuple[int, int, int]:
     interpreter pays per program, so there wide columns."""
     if interpreted():
         return 32, 64, 4
-    br = min(512, max(64, triton.next_power_of_2(B)))
+    br = min(512, max(64, next_power_of_2(B)))
     return 4, br, 8 if br >= 256 else 4
 
 
@@ -306,14 +306,14 @@ def count_chunks(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_rank
     T, K = topk_ids_TK.shape
     R, L = world_size, experts_per_rank
     E = R * L
-    chunk = triton.cdiv(triton.cdiv(max(T, 1), programs), multiple) * multiple
-    chunks = triton.cdiv(max(T, 1), chunk)
+    chunk = cdiv(cdiv(max(T, 1), programs), multiple) * multiple
+    chunks = cdiv(max(T, 1), chunk)
     counts_running = torch.empty(2, chunks, E + R, dtype=torch.int32, device=topk_ids_TK.device)
     launch(_chunk_count_kernel, work=chunks, device=topk_ids_TK.device, budget=programs, resident=False,
            args=dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, CT=chunk, NC=chunks,
                      counts_ptr=counts_running[0], L=L, E=E, R=R),
-           meta=dict(K=K, K_PAD=triton.next_power_of_2(K), R_PAD=triton.next_power_of_2(R), TB=4 * block_tokens(),
-                     E_PAD=triton.next_power_of_2(E)))
+           meta=dict(K=K, K_PAD=next_power_of_2(K), R_PAD=next_power_of_2(R), TB=4 * block_tokens(),
+                     E_PAD=next_power_of_2(E)))
     return counts_running, chunk, chunks
 
 
@@ -340,7 +340,7 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
         totals.zero_()
         return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
     bt = ASSIGN_TOKENS
-    most = (2**31 - 1) // (bt * triton.next_power_of_2(K)) - 1  # the sorted assign's int32 keys
+    most = (2**31 - 1) // (bt * next_power_of_2(K)) - 1  # the sorted assign's int32 keys
     if E > most:
         raise ValueError(f"compute_layout supports up to {most} experts at top-{K}, got {E}")
     counts_running, chunk, chunks = count_chunks(topk_ids_TK=topk_ids_TK, world_size=R, experts_per_rank=L,
@@ -349,8 +349,8 @@ def compute_layout(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per_ra
            args=dict(ids_ptr=topk_ids_TK, stride_t=topk_ids_TK.stride(0), T=T, CT=chunk, NC=chunks,
                      counts_ptr=counts_running[0], running_ptr=counts_running[1], slots_ptr=slots,
                      ordinals_ptr=ordinals, totals_ptr=totals, L=L, E=E, R=R),
-           meta=dict(K=K, K_PAD=triton.next_power_of_2(K), R_PAD=triton.next_power_of_2(R), BT=bt, CR=CHUNK_ROWS,
-                     C_PAD=triton.next_power_of_2(E + R)), warps=ASSIGN_WARPS)
+           meta=dict(K=K, K_PAD=next_power_of_2(K), R_PAD=next_power_of_2(R), BT=bt, CR=CHUNK_ROWS,
+                     C_PAD=next_power_of_2(E + R)), warps=ASSIGN_WARPS)
     return DispatchLayout(slots, ordinals, totals[:E], totals[E:])
 
 

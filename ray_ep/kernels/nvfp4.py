@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..config import E2M1_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_SCALE
 from ..nvfp4 import check_dequantize_inputs, check_quantize_inputs
-from ._util import INTERPRETED, tile_shape
+from ._util import INTERPRETED, cdiv, tile_shape
 from .quant import abs_f32, bf16_words, reads_words, to_e4m3
 
 _BLOCK = tl.constexpr(NVFP4_BLOCK)
@@ -319,7 +319,7 @@ def quantize_nvfp4(*, x_TH: torch.Tensor, global_scale: float = NVFP4_GLOBAL_SCA
     if T:
         bt, bh = tile_shape(H, x_TH.device, multiple=2 * NVFP4_BLOCK)
         warps = block_warps(bt, bh, 4)
-        _quantize_nvfp4_kernel[(triton.cdiv(T, bt),)](x_ptr=x_TH, q_ptr=q.view(torch.int64), s_ptr=s, T=T, H=H,
+        _quantize_nvfp4_kernel[(cdiv(T, bt),)](x_ptr=x_TH, q_ptr=q.view(torch.int64), s_ptr=s, T=T, H=H,
                                                        stride_x=x_TH.stride(0), global_scale=float(global_scale),
                                                        BLOCK_T=bt, BLOCK_H=bh,
                                                        FAST=float(global_scale) == NVFP4_GLOBAL_SCALE,
@@ -337,7 +337,7 @@ def dequantize_nvfp4(*, q_TP: torch.Tensor, scales_TB: torch.Tensor, global_scal
     out = torch.empty(T, 2 * P, dtype=out_dtype, device=q_TP.device)
     if T:
         bt, bh = tile_shape(2 * P, q_TP.device, multiple=2 * NVFP4_BLOCK)
-        _dequantize_nvfp4_kernel[(triton.cdiv(T, bt),)](q_ptr=q_TP, s_ptr=scales_TB.view(torch.uint8), out_ptr=out,
+        _dequantize_nvfp4_kernel[(cdiv(T, bt),)](q_ptr=q_TP, s_ptr=scales_TB.view(torch.uint8), out_ptr=out,
                                                          T=T, H=2 * P, stride_q=q_TP.stride(0),
                                                          stride_s=scales_TB.stride(0), global_scale=float(global_scale),
                                                          BLOCK_T=bt, BLOCK_H=bh)

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ..config import FP8_GROUP, FP8_MAX
 from ..fp8 import check_dequantize_inputs, check_quantize_inputs
-from ._util import INTERPRETED, tile_shape
+from ._util import INTERPRETED, cdiv, tile_shape
 
 _GROUP = tl.constexpr(FP8_GROUP)
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -211,7 +211,7 @@ def quantize_fp8(*, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(T, H // FP8_GROUP, dtype=torch.float32, device=x_TH.device)
     if T:
         bt, bh = tile_shape(H, x_TH.device, multiple=FP8_GROUP)
-        _quantize_fp8_kernel[(triton.cdiv(T, bt),)](x_ptr=x_TH, q_ptr=q, s_ptr=s, T=T, H=H, stride_x=x_TH.stride(0),
+        _quantize_fp8_kernel[(cdiv(T, bt),)](x_ptr=x_TH, q_ptr=q, s_ptr=s, T=T, H=H, stride_x=x_TH.stride(0),
                                                      BLOCK_T=bt, BLOCK_H=bh, WORDS=reads_words(x_TH))
     return q, s
 
@@ -224,6 +224,6 @@ def dequantize_fp8(*, q_TH: torch.Tensor, scales_TG: torch.Tensor,
     out = torch.empty(T, H, dtype=out_dtype, device=q_TH.device)
     if T:
         bt, bh = tile_shape(H, q_TH.device, multiple=FP8_GROUP)
-        _dequantize_fp8_kernel[(triton.cdiv(T, bt),)](q_ptr=q_TH, s_ptr=scales_TG, out_ptr=out, T=T, H=H,
+        _dequantize_fp8_kernel[(cdiv(T, bt),)](q_ptr=q_TH, s_ptr=scales_TG, out_ptr=out, T=T, H=H,
                                                        BLOCK_T=bt, BLOCK_H=bh)
     return out
