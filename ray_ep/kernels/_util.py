@@ -24,7 +24,8 @@ INTERPRETED = tl.constexpr(interpreted())
 
 # Host-side twins of ``triton.cdiv`` / ``triton.next_power_of_2``: Triton 3.6 makes those
 # constexpr functions, whose call from host code unwraps its arguments first (~2 us a call on
-# the CPU host against ~0.1; a dispatch and combine made 16 such calls, ~15% of their own Python)
+# the CPU host against ~0.1); with these a dispatch and combine spend ~30% less of their own
+# Python before the launches (docs/perf.md v48)
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for integers, as ``triton.cdiv``."""
     return (a + b - 1) // b
