@@ -665,8 +665,7 @@ def _idles_the_budget(tokens: int | None, rows: int, budget: int) -> bool:
         return False
 
     def busiest(r: int) -> int:  # rows of the program with the most blocks
-        blocks = -(-tokens // r)
-        return -(-blocks // budget) * r
+        return cdiv(cdiv(tokens, r), budget) * r
 
     return busiest(2 * rows) > busiest(rows)
 

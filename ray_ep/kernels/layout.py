@@ -388,7 +388,7 @@ def block_bases_torch(*, topk_ids_TK: torch.Tensor, world_size: int, experts_per
     per_token.scatter_add_(1, torch.where(valid, ids, 0), valid.long())
     per_token[:, E:] = (lay.token_slots_TR >= 0).long()
     bt = block_tokens()
-    B = max(1, -(-T // bt))
+    B = max(1, cdiv(T, bt))
     blocks = torch.zeros(B * bt, E + world_size, dtype=torch.int64, device=ids.device)
     blocks[:T] = per_token
     sums = blocks.view(B, bt, -1).sum(1)
