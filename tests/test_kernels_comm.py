@@ -1112,6 +1112,10 @@ def test_tiles_under_an_sm_budget(monkeypatch, R, sum_channels):
     rows, send, summed, warps = C._tile(cfg, SimpleNamespace(device=cpu), None, 4)
     assert (rows, send["BLOCK_H"], summed["BLOCK_HS"], warps) == (1, 4096, 4096, 16)
     assert C._tile(cfg, SimpleNamespace(device=cpu), 24, 4)[3] == 32
+    # a combine keeps that tile up to two tokens per SM, a send only to one
+    assert C._tile(cfg, SimpleNamespace(device=cpu), None, 8)[:3] == (1, {"BLOCK_H": 4096, "R_PAD": R},
+                                                                       {"BLOCK_HS": 4096, "R_PAD": R})
+    assert C._tile(cfg, SimpleNamespace(device=cpu), None, 9)[1]["BLOCK_H"] == 1024
     assert _util.comm_tile(cfg.hidden_size, cpu, None, "dispatch", tokens=4) == (1, 2048, 8)
     assert D._send_tile(cfg.model_copy(update={"dispatch_dtype": "fp8"}), cpu, None, 4) == (1, 2048, 8)
     assert D._send_tile(cfg, cpu, None, 5) == (1, 1024, 4)  # more tokens than SMs

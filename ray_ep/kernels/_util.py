@@ -85,9 +85,15 @@ COMM_WARPS = 4  # warps per row of a communication kernel's tile (see comm_tile)
 # rows per program and channels per step under an SM budget (see comm_tile)
 BUDGET_ROWS = {"dispatch": 8, "combine": 8}
 BUDGET_CHANNELS = {"dispatch": 2048, "combine": 1024}
-# small batches (at most one token per SM: decode): channels per step of a program's row at 8
+# small batches (decode, see SMALL_BATCH_TOKENS_PER_SM): channels per step of a program's row at 8
 # per thread (one 16-byte bf16 vector per row in flight), see comm_tile
 SMALL_BATCH_CHANNELS = {"combine": 4096, "dispatch": 2048}
+# up to how many tokens per SM a launch takes that tile. One H100, a world of one, decode
+# (deepseek-v3, fp8 dispatch), us from CUDA graphs at 256 tokens (two per SM), against one row
+# of 1024 channels at 4 warps: combine 23.5-23.6 -> 17.3, dispatch 17.0 -> 18.3 (its own layout
+# scans every earlier token, so a second token per program lengthens the chain); 128 tokens
+# unchanged
+SMALL_BATCH_TOKENS_PER_SM = {"combine": 2, "dispatch": 1}
 
 # Per-SM limits of Hopper (sm_90, H100 / H200; CUDA occupancy tables): they bound how many
 # programs of a kernel are resident at once
@@ -286,8 +292,9 @@ def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str,
     of 1024: combine 779 -> 610 / 1115 -> 881 us. Pipelining the channel loop with cp.async,
     2 or 3 stages, was slower for both: dispatch bf16 287-413 us, combine 974-1427 at 24 SMs).
 
-    Without a budget and with at most one token per SM (``tokens``: decode), a program takes
-    SMALL_BATCH_CHANNELS[kind] of its row per step with a warp per 256 of them: a row's steps
+    Without a budget and with at most SMALL_BATCH_TOKENS_PER_SM[kind] tokens per SM (``tokens``:
+    decode), a program takes SMALL_BATCH_CHANNELS[kind] of its row per step with a warp per 256
+    of them: a row's steps
     run one after another, so fewer, wider steps end it sooner (decode, 2x H200, 128 tokens:
     combine 25.5 -> 22.0 us, from CUDA graphs 25.1 -> 21.3 at 4096 channels and 16 warps;
     8192 channels 24.2). Dispatch at 2048 channels and 8 warps, against 1024 at 4, from CUDA
@@ -298,7 +305,8 @@ def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str,
     if budget and not interpreted():
         rows = BUDGET_ROWS[kind]
         step = max(multiple, min(channels or BUDGET_CHANNELS[kind], next_power_of_2(H)))
-    elif kind in SMALL_BATCH_CHANNELS and small_batch(tokens, device) and not interpreted():
+    elif (kind in SMALL_BATCH_CHANNELS and tokens is not None
+          and tokens <= SMALL_BATCH_TOKENS_PER_SM[kind] * num_sms(device) and not interpreted()):
         step = max(multiple, min(SMALL_BATCH_CHANNELS[kind], next_power_of_2(H)))
         return rows, step, max(COMM_WARPS, min(32, step // 256))
     return rows, step, COMM_WARPS * rows
