@@ -294,12 +294,11 @@ def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str,
 
     Without a budget and with at most SMALL_BATCH_TOKENS_PER_SM[kind] tokens per SM (``tokens``:
     decode), a program takes SMALL_BATCH_CHANNELS[kind] of its row per step with a warp per 256
-    of them: a row's steps
-    run one after another, so fewer, wider steps end it sooner (decode, 2x H200, 128 tokens:
-    combine 25.5 -> 22.0 us, from CUDA graphs 25.1 -> 21.3 at 4096 channels and 16 warps;
-    8192 channels 24.2). Dispatch at 2048 channels and 8 warps, against 1024 at 4, from CUDA
-    graphs: fp8 25.7 -> 25.2 us on 4x H200, 22.4 -> 21.6 on 2x H200 (bf16 22.2 -> 22.3); 4096
-    at 16 warps 23.2, 2048 at 16 warps 24.7 (2x H200, fp8).
+    of them: a row's steps run one after another, so fewer, wider steps end it sooner (decode,
+    2x H200, 128 tokens: combine 25.5 -> 22.0 us, from CUDA graphs 25.1 -> 21.3 at 4096 channels
+    and 16 warps; 8192 channels 24.2). Dispatch at 2048 channels and 8 warps, against 1024 at 4,
+    from CUDA graphs: fp8 25.7 -> 25.2 us on 4x H200, 22.4 -> 21.6 on 2x H200 (bf16 22.2 ->
+    22.3); 4096 at 16 warps 23.2, 2048 at 16 warps 24.7 (2x H200, fp8).
     """
     rows, step = tile_shape(H, device, multiple)
     if budget and not interpreted():
