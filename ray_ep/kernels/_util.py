@@ -265,9 +265,9 @@ def tile_shape(H: int, device: torch.device | str, multiple: int = 8) -> tuple[i
     return 1, max(multiple, min(1024, next_power_of_2(H)))
 
 
-def small_batch(tokens: int | None, device: torch.device | str) -> bool:
-    """A launch of at most one token per SM (decode); False when the tokens are not known."""
-    return tokens is not None and tokens <= num_sms(device)
+def small_batch(tokens: int | None, device: torch.device | str, per_sm: int = 1) -> bool:
+    """A launch of at most ``per_sm`` tokens per SM (decode); False when the tokens are not known."""
+    return tokens is not None and tokens <= per_sm * num_sms(device)
 
 
 def fused_as_two_launches(budget: int | None, tokens: int, device: torch.device | str) -> bool:
@@ -304,8 +304,8 @@ def comm_tile(H: int, device: torch.device | str, budget: int | None, kind: str,
     if budget and not interpreted():
         rows = BUDGET_ROWS[kind]
         step = max(multiple, min(channels or BUDGET_CHANNELS[kind], next_power_of_2(H)))
-    elif (kind in SMALL_BATCH_CHANNELS and tokens is not None
-          and tokens <= SMALL_BATCH_TOKENS_PER_SM[kind] * num_sms(device) and not interpreted()):
+    elif (kind in SMALL_BATCH_CHANNELS and small_batch(tokens, device, SMALL_BATCH_TOKENS_PER_SM[kind])
+          and not interpreted()):
         step = max(multiple, min(SMALL_BATCH_CHANNELS[kind], next_power_of_2(H)))
         return rows, step, max(COMM_WARPS, min(32, step // 256))
     return rows, step, COMM_WARPS * rows

@@ -197,11 +197,13 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
 
 
 @triton.jit
-def _dest_table(slots_ptr, toks, tm, N, rank, R, ranks_per_node, R_PAD: tl.constexpr, BRANCHLESS: tl.constexpr):
+def _dest_table(slots_ptr, slots, toks, tm, N, rank, R, ranks_per_node, R_PAD: tl.constexpr,
+                BRANCHLESS: tl.constexpr, HELD: tl.constexpr):
     """Where a block of tokens goes, per destination d, as three tuples indexed by d: its rows
     at d ([BT] int64), which tokens go to d, and whether to store to d at all. Only d's on this
     node (stores; the others are put from the staged rows). Worked out once per block, for its
-    meta rows and every step of its channels.
+    meta rows and every step of its channels. The block's slots come from ``slots_ptr``, or
+    from ``slots`` in registers ([BT, R_PAD], -1 where none) if HELD.
 
     BRANCHLESS: masked stores instead of a block-wide "any row for d?" test (one row per
     program: the test is cheap and skips the row's dead destinations)."""
@@ -210,25 +212,12 @@ def _dest_table(slots_ptr, toks, tm, N, rank, R, ranks_per_node, R_PAD: tl.const
     anys = ()
     for d in tl.static_range(R_PAD):
         near = (d // ranks_per_node) == (rank // ranks_per_node)
-        slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & near, other=-1)
-        ok = slot >= 0
-        rows = rows + ((rank * N + slot).to(tl.int64),)
-        oks = oks + (ok,)
-        anys = anys + (True if BRANCHLESS else tl.max(ok.to(tl.int32), axis=0) > 0,)
-    return rows, oks, anys
-
-
-@triton.jit
-def _dest_table_of(slots, toks, tm, N, rank, R, ranks_per_node, R_PAD: tl.constexpr, BRANCHLESS: tl.constexpr):
-    """:func:`_dest_table` from the block's slots in registers ([BT, R_PAD], -1 where none)."""
-    rr = tl.arange(0, R_PAD)
-    rows = ()
-    oks = ()
-    anys = ()
-    for d in tl.static_range(R_PAD):
-        near = (d // ranks_per_node) == (rank // ranks_per_node)
-        slot = tl.sum(tl.where(rr[None, :] == d, slots, 0), axis=1)
-        ok = (slot >= 0) & tm & (d < R) & near
+        if HELD:
+            slot = tl.sum(tl.where(tl.arange(0, R_PAD)[None, :] == d, slots, 0), axis=1)
+            ok = (slot >= 0) & tm & (d < R) & near
+        else:
+            slot = tl.load(slots_ptr + toks * R + d, mask=tm & (d < R) & near, other=-1)
+            ok = slot >= 0
         rows = rows + ((rank * N + slot).to(tl.int64),)
         oks = oks + (ok,)
         anys = anys + (True if BRANCHLESS else tl.max(ok.to(tl.int32), axis=0) > 0,)
@@ -342,10 +331,9 @@ def _send_block(t0, x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots
     wbits = wts.to(tl.float32).to(tl.int32, bitcast=True)
     if HELD:
         ords = ords_in
-        rows, oks, anys = _dest_table_of(slots, toks, tm, N, rank, R, ranks_per_node, R_PAD, BRANCHLESS)
     else:
         ords = tl.load(ordinals_ptr + toks[:, None] * K + kk[None, :], mask=mk, other=-1)
-        rows, oks, anys = _dest_table(slots_ptr, toks, tm, N, rank, R, ranks_per_node, R_PAD, BRANCHLESS)
+    rows, oks, anys = _dest_table(slots_ptr, slots, toks, tm, N, rank, R, ranks_per_node, R_PAD, BRANCHLESS, HELD)
     bases = peer_bases(peer_bases_ptr, R, R_PAD)
     mine = tl.load(peer_bases_ptr + rank)
     if REMOTE:
