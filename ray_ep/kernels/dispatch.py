@@ -180,7 +180,8 @@ def _send_rows(x_ptr, stride_x, ids_ptr, stride_ids, w_ptr, stride_w, slots_ptr,
         for blk in range(pid, tl.cdiv(T, BT), nprog):
             toks = blk * BT + tl.arange(0, BT)
             # the row's first step is in flight while the layout works (a small batch's chain)
-            x_first = _first_step(x_ptr, stride_x, toks, T, H, FP8, BLOCK_H, PREFETCH and not NVFP4)
+            x_first = _first_step(x_ptr, stride_x, toks, T, H, FP8, BLOCK_H,
+                                  PREFETCH and not NVFP4 and OWN_LAYOUT != LAYOUT_GIVEN)
             if OWN_LAYOUT != LAYOUT_GIVEN:
                 slots, ords = _own_layout(ids_ptr, stride_ids, slots_ptr, ordinals_ptr, totals_ptr, bases_ptr,
                                           toks, T, R, L, K, K_PAD, R_PAD, BT, CH, OWN_LAYOUT == LAYOUT_FROM_BASES, SB)
