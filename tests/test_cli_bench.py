@@ -604,3 +604,43 @@ def test_source_commit_names_the_tree_it_runs(tmp_path, monkeypatch):
     assert runner.source_commit(str(tmp_path)) == head + "+dirty"
     monkeypatch.setenv("RAY_EP_COMMIT", "abc1234")
     assert runner.source_commit(str(tmp_path)) == "abc1234"
+
+
+def test_experts_world_gives_rank_0_the_rows_of_its_experts():
+    """The one-device stand-in for an R-rank world's experts: rank 0 holds, per local expert,
+    exactly the (token, expert) pairs of every rank's tokens that name that expert."""
+    import torch
+
+    from ray_ep.bench import experts_world
+    from ray_ep.inputs import rank_inputs
+
+    cfg, tokens = experts_world.config_for("tiny", 4, tokens=24)
+    world, h, x0 = experts_world.rank0_rows(cfg, tokens, seed=3, routing="skewed", device=torch.device("cpu"))
+    L = cfg.experts_per_rank
+    ids = [rank_inputs(cfg, tokens, r, 3, "skewed")[1] for r in range(cfg.world_size)]
+    want = [sum(int((i == e).sum()) for i in ids) for e in range(L)]
+    assert h.recv.num_tokens_L.tolist() == want and sum(want) > 0
+    assert x0.shape == (tokens, cfg.hidden_size)
+
+
+def test_experts_world_command_prints_a_row_per_expert_dtype(tmp_path, capsys):
+    from ray_ep.bench import experts_world
+
+    path = tmp_path / "ew.json"
+    assert experts_world.main(["--world", "2", "--expert-dtype", "bf16,fp8", "--iters", "1", "--warmup", "0",
+                               "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 of 2 ranks" in out
+    rows = json.loads(path.read_text())
+    assert [r["expert_dtype"] for r in rows] == ["bf16", "fp8"]
+    for r in rows:
+        assert set(r["us"]) == set(experts_world.OPS) and r["rows"] > 0 and r["check_error"] <= r["tolerance"]
+
+
+@pytest.mark.parametrize("flags", [["--expert-dtype", "fp4"], ["--world", "0"], ["--iters", "0"]])
+def test_experts_world_refuses_bad_flags(flags, capsys):
+    from ray_ep.bench import experts_world
+
+    with pytest.raises(SystemExit) as e:
+        experts_world.main(flags)
+    assert e.value.code == 2 and "--expert-dtype takes" in capsys.readouterr().err

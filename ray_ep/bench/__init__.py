@@ -4,6 +4,8 @@
   the table, JSON (written and read back) and plot, the command-line flags, Ctrl-C.
 - :mod:`ray_ep.bench.loops`: the per-rank loops that run inside the workers (correctness
   check, warm-up, timed iterations).
+- :mod:`ray_ep.bench.experts_world`: one rank's experts of an R-rank world, timed on one device
+  (``python -m ray_ep.bench.experts_world``).
 
 The protocol and how to read the table: docs/benchmarking.md.
 """
