@@ -41,7 +41,7 @@ from ..kernels.experts import ExpertScratch, LocalExperts, run_experts, run_expe
 from ..reference import FP8_EXPERTS_TOLERANCE
 from ..transport.local import LocalWorld
 from ..weights import init_expert_weights
-from .loops import ROUND_TRIP_TOL, SLEEP_CYCLES, expert_flops, expert_gemms
+from .loops import ROUND_TRIP_TOL, SLEEP_CYCLES, expert_flops, expert_gemms, relative_error
 from .runner import BENCH_PRESETS, EXPERT_DTYPES, DISPATCH_DTYPES
 
 OPS = ("experts", "routed", "shared", "gemm")
@@ -68,8 +68,8 @@ def rank0_rows(cfg: EPConfig, tokens: int, seed: int, routing: str, device: torc
     send, recv = (D.dispatch_send, D.dispatch_recv) if device.type == "cuda" else \
         (D.dispatch_send_torch, D.dispatch_recv_torch)
     inputs = [rank_inputs(cfg, tokens, r, seed, routing, device=device) for r in range(cfg.world_size)]
-    layouts = [send(cfg=cfg, x_TH=x, topk_ids_TK=ids, topk_weights_TK=w, bufs=world.bufs[r],
-                               ws=world.workspaces[r]) for r, (x, ids, w) in enumerate(inputs)]
+    layouts = [send(cfg=cfg, x_TH=x, topk_ids_TK=ids, topk_weights_TK=w, bufs=world.bufs[r], ws=world.workspaces[r])
+               for r, (x, ids, w) in enumerate(inputs)]
     handle = recv(cfg=cfg, layout=layouts[0], bufs=world.bufs[0], ws=world.workspaces[0], num_tokens=tokens)
     return world, handle, inputs[0][0]
 
@@ -82,11 +82,6 @@ def rank0_experts(cfg: EPConfig, seed: int, device: torch.device) -> LocalExpert
     experts = LocalExperts.build(cfg, weights, device)
     experts.check(cfg)
     return experts
-
-
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = float(want.float().abs().max())
-    return float((got.float() - want.float()).abs().max()) / scale if scale else float(got.float().abs().max())
 
 
 def time_ops(cfg: EPConfig, tokens: int, *, seed: int = 0, routing: str = "uniform", iters: int = 12,
@@ -104,7 +99,7 @@ def time_ops(cfg: EPConfig, tokens: int, *, seed: int = 0, routing: str = "unifo
     twin = ExpertScratch.allocate(cfg, device, rows=0)
     want = run_experts_torch(handle=h, experts=experts, scratch=twin)[:got.shape[0]]
     live = h.recv.row_ids_M[:got.shape[0]] >= 0  # padding rows are never computed
-    err = _relative_error(got[live], want[live])
+    err = relative_error(got[live], want[live])
     tol = TOLERANCE[cfg.expert_dtype]
     if not err <= tol:
         raise RuntimeError(f"rank 0's routed experts are off their torch twin: relative error {err:.3g} > {tol:g}")
