@@ -585,7 +585,7 @@ def test_launch_times_are_per_launch_medians_of_calls_after_the_timed_ones(monke
 
     monkeypatch.setattr(loops, "identity_outputs", lambda h: None)
     t = Fake()
-    got = loops.launch_times(t, [(None, None, None)], loops._Clock(torch.device(device), t), fused=True, iters=3)
+    got = loops.launch_times(t, [(None, None, None)], loops.Clock(torch.device(device), t), fused=True, iters=3)
     assert [len(got["dispatch"]), len(got["combine"])] == [2, 1]
     assert all(us > 0 for us in got["dispatch"] + got["combine"])
     assert Fake.barriers == 6 and x[0] == 9

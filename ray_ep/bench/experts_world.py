@@ -9,7 +9,7 @@ world runs 64 of deepseek-v3's 256 experts over ~512 rows each, a world of one a
 runs into a :class:`~ray_ep.transport.local.LocalWorld` (all R ranks' buffers on this device),
 then rank 0's receive, so rank 0 holds the rows rank 0 of R GPUs receives; its seeded experts
 (drawn on the device) then run as the layer runs them. Ops, in rotation, each after a GPU sleep
-(as ``ray-ep bench`` starts its phases), medians:
+(the benchmark's clock, without its barriers), medians:
 
 - ``experts``: the routed experts then the shared ones (what ``ray-ep bench --layer`` times
   as the experts alone);
@@ -20,7 +20,8 @@ then rank 0's receive, so rank 0 holds the rows rank 0 of R GPUs receives; its s
 Before timing, rank 0's routed output is checked against the torch twin
 (:func:`~ray_ep.kernels.experts.run_experts_torch`) on the same rows. A figure here predicts an
 R-GPU run's experts row to within a few percent (docs/perf.md compares them); it does not time
-communication. On CPU it runs the interpreter and the twins (a smoke run of the tiny preset).
+communication. On CPU the torch twins run (a smoke run of the tiny preset; the check then
+compares the twin with itself).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from typing import Sequence
 
 import torch
@@ -41,8 +41,8 @@ from ..kernels.experts import ExpertScratch, LocalExperts, run_experts, run_expe
 from ..reference import FP8_EXPERTS_TOLERANCE
 from ..transport.local import LocalWorld
 from ..weights import init_expert_weights
-from .loops import ROUND_TRIP_TOL, SLEEP_CYCLES, expert_flops, expert_gemms, relative_error
-from .runner import BENCH_PRESETS, EXPERT_DTYPES, DISPATCH_DTYPES
+from .loops import ROUND_TRIP_TOL, Clock, expert_flops, expert_gemms, relative_error
+from .runner import BENCH_PRESETS, DISPATCH_DTYPES, EXPERT_DTYPES, preset_config
 
 OPS = ("experts", "routed", "shared", "gemm")
 # the routed output against its torch twin, by expert dtype (the layer's tolerances)
@@ -54,10 +54,8 @@ def config_for(preset: str, world: int, tokens: int | None = None, dispatch_dtyp
     """(config of an R-rank world on one node for ``preset`` of ``ray-ep bench``, tokens per rank)."""
     spec = BENCH_PRESETS[preset]
     n = tokens or spec["tokens"]
-    cfg = EPConfig.preset(spec["model"], **{**spec.get("overrides", {}), **dict(
-        n_nodes=1, gpus_per_node=world, max_tokens_per_rank=n, dispatch_dtype=dispatch_dtype or spec["dtypes"][0],
-        expert_dtype=expert_dtype)})
-    return cfg, n
+    return preset_config(preset, n_nodes=1, gpus_per_node=world, max_tokens_per_rank=n,
+                         dispatch_dtype=dispatch_dtype or spec["dtypes"][0], expert_dtype=expert_dtype), n
 
 
 def rank0_rows(cfg: EPConfig, tokens: int, seed: int, routing: str, device: torch.device):
@@ -92,8 +90,7 @@ def time_ops(cfg: EPConfig, tokens: int, *, seed: int = 0, routing: str = "unifo
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     world, h, x0 = rank0_rows(cfg, tokens, seed, routing, device)
     experts = rank0_experts(cfg, seed, device)
-    cuda = device.type == "cuda"
-    scratch = ExpertScratch.allocate(cfg, device, rows=None if cuda else 0)
+    scratch = ExpertScratch.allocate(cfg, device, rows=None if device.type == "cuda" else 0)
     rows = int(h.recv.num_tokens_L.sum())
     got = run_experts(handle=h, experts=experts, scratch=scratch)[:int(h.recv.row_offsets_L1[-1])].clone()
     twin = ExpertScratch.allocate(cfg, device, rows=0)
@@ -109,21 +106,12 @@ def time_ops(cfg: EPConfig, tokens: int, *, seed: int = 0, routing: str = "unifo
            "shared": lambda: shared_experts(x0, experts),
            "gemm": expert_gemms(h, experts, scratch)}
     times: dict[str, list[float]] = {op: [] for op in ops}
+    clock = Clock(device, None)
     for i in range(warmup + iters):
         for op, fn in ops.items():
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda._sleep(SLEEP_CYCLES)
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                stop.record()
-                stop.synchronize()
-                us = start.elapsed_time(stop) * 1e3
-            else:
-                t0 = time.perf_counter()
-                fn()
-                us = (time.perf_counter() - t0) * 1e6
+            s = clock.start()
+            fn()
+            us = clock.stop(s)
             if i >= warmup:
                 times[op].append(us)
     med = {op: statistics.median(v) for op, v in times.items()}

@@ -221,19 +221,24 @@ def soak(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, rounds
     return {"rank": rank, "max_rel_error": worst, "misplaced_rows": bad, "rounds": rounds, "detail": detail}
 
 
-class _Clock:
-    """CUDA events on GPUs (with the sleep + on-stream barrier), the host clock on CPUs."""
+class Clock:
+    """CUDA events on GPUs (with the sleep + on-stream barrier), the host clock on CPUs.
+    ``transport`` None: one process alone (no barriers; on a GPU it waits for the device first)."""
 
-    def __init__(self, device: torch.device, transport: Transport):
+    def __init__(self, device: torch.device, transport: Transport | None):
         self.cuda = device.type == "cuda"
         self.t = transport
 
     def start(self):
-        self.t.barrier()  # host-level: every rank is here
+        if self.t is not None:
+            self.t.barrier()  # host-level: every rank is here
+        elif self.cuda:
+            torch.cuda.synchronize()
         if not self.cuda:
             return time.perf_counter()
         torch.cuda._sleep(SLEEP_CYCLES)
-        self.t.device_barrier()
+        if self.t is not None:
+            self.t.device_barrier()
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
@@ -257,7 +262,7 @@ def bench_comm(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *, 
     h = t.dispatch(x, ids, w, fused=fused)
     first = round_trip_figures(h, t.combine(identity_outputs(h), h, torch.bfloat16, fused=fused), x, ids, w, cfg,
                                rank)
-    clock = _Clock(device, t)
+    clock = Clock(device, t)
     times: dict[str, list[float]] = {"dispatch": [], "combine": []}
     launches = {}
     with t.deferred_checks():  # no host sync inside the timed region
@@ -282,7 +287,7 @@ def _both_checks(first: tuple, last: tuple) -> tuple[float, int, str]:
     return max(first[0], last[0]), first[1] + last[1], where
 
 
-def _round_trip(t: Transport, clock: _Clock, inputs: tuple, fused: bool, timed: bool = False
+def _round_trip(t: Transport, clock: Clock, inputs: tuple, fused: bool, timed: bool = False
                 ) -> tuple[dict[str, tuple], DispatchHandle, torch.Tensor]:
     """A dispatch of ``inputs`` (x, ids, weights), then a combine of identity experts' rows,
     each started after the clock's barrier: (per op (microseconds, its launch records; with
@@ -299,7 +304,7 @@ def _round_trip(t: Transport, clock: _Clock, inputs: tuple, fused: bool, timed: 
     return {"dispatch": (d_us, dispatched), "combine": (clock.stop(s), combined)}, h, out
 
 
-def launch_times(t: Transport, inputs: list, clock: _Clock, fused: bool,
+def launch_times(t: Transport, inputs: list, clock: Clock, fused: bool,
                  iters: int = LAUNCH_TIMING_ITERS) -> dict[str, list[float]]:
     """Per op, the median time of each communication kernel launch of a dispatch and of a
     combine, over ``iters`` calls made after the timed ones (a pair of marks around every
@@ -330,7 +335,7 @@ def bench_comm_graphs(t: Transport, cfg: EPConfig, rank: int, device: torch.devi
         y = torch.zeros(cfg.max_recv_rows, cfg.hidden_size, dtype=torch.bfloat16, device=device)
         with torch.cuda.graph(g_combine):
             out = t.combine(y, h, torch.bfloat16, fused=fused)
-    clock = _Clock(device, t)
+    clock = Clock(device, t)
     times: dict[str, list[float]] = {"dispatch": [], "combine": []}
     first = None
     for i in range(warmup + iters):
@@ -385,7 +390,7 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
     inputs = [rank_inputs(cfg, num_tokens, rank, seed + i, routing, device=device) for i in range(sets)]
     check_at = min(1, warmup + iters - 1)
     outs: dict[str, torch.Tensor] = {}  # each layer's output at check_at
-    clock = _Clock(device, t)
+    clock = Clock(device, t)
     times: dict[str, list[float]] = {"layer": [], "experts": []}
     host_us: dict[str, list[float]] = {}
     remote = received = flops = 0
@@ -549,7 +554,7 @@ def bench_alltoall(t: Transport, cfg: EPConfig, rank: int, device: torch.device,
     g = torch.Generator(device=device).manual_seed(rank)
     inp = torch.randn(R * rows_per_peer, H, generator=g, device=device).to(torch.bfloat16)
     out = torch.empty_like(inp)
-    clock = _Clock(device, t)
+    clock = Clock(device, t)
     times: dict[str, list[float]] = {"all_to_all": []}
     for i in range(warmup + iters):
         s = clock.start()
@@ -566,7 +571,7 @@ def bench_peer_copy(t: Transport, rank: int, device: torch.device, *, nbytes: in
     one way: the practical NVLink ceiling). Other ranks only join the barriers."""
     bufs = t.bufs
     times: dict[str, list[float]] = {"peer_copy": []}
-    clock = _Clock(device, t)
+    clock = Clock(device, t)
     src = dst = None
     if rank == 0:
         peer = bufs.peers[1]["combine.recv.x"].view(-1).view(torch.uint8)

@@ -50,6 +50,12 @@ CPU_BACKEND_LABELS = {"torch": "gloo-pipeline"}
 PLOT_NEEDS = "--plot needs matplotlib: pip install 'ray-ep[plot]'"
 
 
+def preset_config(preset: str, **fields: Any) -> EPConfig:
+    """The EPConfig of BENCH_PRESETS[preset]: its model preset, its overrides, then ``fields``."""
+    spec = BENCH_PRESETS[preset]
+    return EPConfig.preset(spec["model"], **{**spec.get("overrides", {}), **fields})
+
+
 def backend_label(backend: str, gpu_workers: bool) -> str:
     """The table's name of a run_bench backend (``nvshmem`` / ``torch``) on GPU or CPU workers."""
     if not gpu_workers and backend in CPU_BACKEND_LABELS:
@@ -604,9 +610,9 @@ def _run_preset(cluster: EPCluster, result: BenchResult, bar: _Progress, p: str,
     groups = list(dict.fromkeys((c[1], c[5]) for c in plan))  # (dtype, budget) in plan order
     for (dt, num_sms), edt in ((g, e) for g in groups for e in expert_dtypes):
         first = edt == expert_dtypes[0]
-        cfg = EPConfig.preset(spec["model"], **{**spec.get("overrides", {}), **dict(
-            n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node, max_tokens_per_rank=n_max, dispatch_dtype=dt,
-            num_sms=num_sms, recv_timeout_s=base.recv_timeout_s, expert_dtype=edt, combine_mode=base.combine_mode)})
+        cfg = preset_config(p, n_nodes=base.n_nodes, gpus_per_node=base.gpus_per_node, max_tokens_per_rank=n_max,
+                            dispatch_dtype=dt, num_sms=num_sms, recv_timeout_s=base.recv_timeout_s, expert_dtype=edt,
+                            combine_mode=base.combine_mode)
         sms_label = str(num_sms or device_sms or "-")
         name = f"bench/{p}/{dt}/{num_sms or 'all'}/{edt}"
         bar.start(f"{p} {dt}{f' at {num_sms} SMs' if num_sms else ''}: allocating buffers")
