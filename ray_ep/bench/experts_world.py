@@ -11,8 +11,8 @@ then rank 0's receive, so rank 0 holds the rows rank 0 of R GPUs receives; its s
 (drawn on the device) then run as the layer runs them. Ops, in rotation, each after a GPU sleep
 (the benchmark's clock, without its barriers), medians:
 
-- ``experts``: the routed experts then the shared ones (what ``ray-ep bench --layer`` times
-  as the experts alone);
+- ``experts``: :func:`ray_ep.bench.loops.experts_alone`, the routed experts then the shared
+  ones (what ``ray-ep bench --layer`` times as the experts alone);
 - ``routed``: :func:`~ray_ep.kernels.experts.run_experts` alone;
 - ``shared``: :func:`~ray_ep.kernels.experts.shared_experts` alone;
 - ``gemm``: the two routed grouped GEMMs without the SwiGLU (:func:`ray_ep.bench.loops.expert_gemms`).
@@ -41,7 +41,7 @@ from ..kernels.experts import ExpertScratch, LocalExperts, run_experts, run_expe
 from ..reference import FP8_EXPERTS_TOLERANCE
 from ..transport.local import LocalWorld
 from ..weights import init_expert_weights
-from .loops import ROUND_TRIP_TOL, Clock, expert_flops, expert_gemms, relative_error
+from .loops import ROUND_TRIP_TOL, Clock, expert_flops, expert_gemms, experts_alone, relative_error
 from .runner import BENCH_PRESETS, DISPATCH_DTYPES, EXPERT_DTYPES, preset_config
 
 OPS = ("experts", "routed", "shared", "gemm")
@@ -101,7 +101,7 @@ def time_ops(cfg: EPConfig, tokens: int, *, seed: int = 0, routing: str = "unifo
     if not err <= tol:
         raise RuntimeError(f"rank 0's routed experts are off their torch twin: relative error {err:.3g} > {tol:g}")
     del twin, want
-    ops = {"experts": lambda: (run_experts(handle=h, experts=experts, scratch=scratch), shared_experts(x0, experts)),
+    ops = {"experts": lambda: experts_alone(h, experts, scratch, x0),
            "routed": lambda: run_experts(handle=h, experts=experts, scratch=scratch),
            "shared": lambda: shared_experts(x0, experts),
            "gemm": expert_gemms(h, experts, scratch)}

@@ -428,8 +428,7 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
                 outs["layer"] = out.clone()
             # the dispatched rows stay in the buffers until the next dispatch, which no rank
             # starts before the next iteration's barriers
-            timed("experts", lambda: (run_experts(handle=h, experts=experts, scratch=scratch),
-                                      shared_experts(x, experts)), keep)
+            timed("experts", lambda: experts_alone(h, experts, scratch, x), keep)
             if micro is not None:
                 op = f"layer-mb{len(micro[0])}"
                 out = timed(op, lambda: moe_micro_batched(micro[0], micro[1], experts, x, ids, w, torch.bfloat16), keep)
@@ -471,6 +470,13 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
     return RankTimes(rank, times, remote, received, 0.0, 0, flops, gemm_flops, wbytes, host_us=host_us,
                      layer_checks=checks, layer_check_details=details)
 
+
+
+def experts_alone(h: DispatchHandle, experts, scratch, x_TH: torch.Tensor) -> None:
+    """The layer's experts without its communication (the ``experts`` row): the routed experts
+    over the rows ``h`` received, then the shared experts over this rank's own tokens ``x_TH``."""
+    run_experts(handle=h, experts=experts, scratch=scratch)
+    shared_experts(x_TH, experts)
 
 
 def expert_gemms(h: DispatchHandle, experts, scratch):
