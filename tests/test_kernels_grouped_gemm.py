@@ -343,8 +343,16 @@ def test_shared_experts_into_given_output(n_shared):
         shared_experts(x, experts, out=torch.zeros(8, 128, dtype=other, device=device))
 
 
+@pytest.fixture
+def hopper_kernel_at_any_size(monkeypatch):
+    """The Hopper kernel on the tests' small shapes, which give it fewer tiles than the SMs
+    (where the launcher takes the Triton kernel: ``grouped_gemm_sm90.fills_sms``)."""
+    from ray_ep.kernels import grouped_gemm_sm90
+    monkeypatch.setattr(grouped_gemm_sm90, "MIN_TILES_PER_SM", 0)
+
+
 @pytest.mark.parametrize("tokens,n_shared", [(0, 2), (8, 2), (300, 2), (300, 1)])
-def test_shared_experts_fp8_weights_match_reference(tokens, n_shared):
+def test_shared_experts_fp8_weights_match_reference(tokens, n_shared, hopper_kernel_at_any_size):
     # fp8 shared experts: the routed chain over one group of every token (on Hopper, 300
     # tokens take the Gluon kernel with the SwiGLU in its epilogue: more than 64 rows, the last
     # tile partial); against reference.shared_experts, which quantises the tokens and the
@@ -486,7 +494,7 @@ def skewed_fp8_case(D, O, gen, gather):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_sms", [None, 3], ids=["grid-per-sm", "3-programs"])
 @pytest.mark.parametrize("gather", [False, True], ids=["in-place", "gathered"])
-def test_grouped_gemm_fp8_weights_hopper_kernel(gather, num_sms):
+def test_grouped_gemm_fp8_weights_hopper_kernel(gather, num_sms, hopper_kernel_at_any_size):
     # prefill shapes on Hopper run the Gluon kernel (ray_ep.kernels.grouped_gemm_sm90): kernel
     # vs twin over skewed experts (an empty one, one row, several m tiles), padding untouched;
     # gathered rows are strided fp8 wire rows with their scales beside; 3 programs take many
@@ -513,7 +521,7 @@ def test_grouped_gemm_fp8_weights_hopper_kernel(gather, num_sms):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("counts", [[0, 0, 0], [0, 0, 1]], ids=["no-rows", "last-expert-one-row"])
-def test_grouped_gemm_fp8_weights_hopper_kernel_edges(counts):
+def test_grouped_gemm_fp8_weights_hopper_kernel_edges(counts, hopper_kernel_at_any_size):
     # the Gluon kernel with no tile at all writes nothing; with one K block (D 128) and a last
     # expert of one row (a half tile: its second warpgroup reads the second 128 columns' scales)
     if torch.cuda.get_device_capability()[0] != 9:
@@ -534,7 +542,7 @@ def test_grouped_gemm_fp8_weights_hopper_kernel_edges(counts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_sms", [None, 3], ids=["grid-per-sm", "3-programs"])
 @pytest.mark.parametrize("gather", [False, True], ids=["in-place", "gathered"])
-def test_grouped_gemm_swiglu_out_matches_gemm_then_swiglu(gather, num_sms):
+def test_grouped_gemm_swiglu_out_matches_gemm_then_swiglu(gather, num_sms, hopper_kernel_at_any_size):
     # the SwiGLU in the Hopper kernel's epilogue: the same fp8 bits and scales as the bf16
     # product followed by the SwiGLU kernel, over skewed experts (an empty one, one row, several
     # m tiles, two o tiles of 128 gate and 128 up columns); padding rows untouched
@@ -560,6 +568,18 @@ def test_grouped_gemm_swiglu_out_matches_gemm_then_swiglu(gather, num_sms):
     assert torch.equal(got_q[real].view(torch.uint8), want_q[real].view(torch.uint8))
     assert torch.equal(got_s[real], want_s[real])
     assert bool((got_q[~real].float() == 7.0).all()) and bool((got_s[~real] == 5.0).all()), "padding rows written"
+
+
+def test_hopper_kernel_takes_only_shapes_with_a_wave_of_tiles():
+    # deepseek-v3's shared expert (one expert, gate_up O 4096, down O 7168) on 132 SMs: a
+    # decode batch's 128 or 512 tokens give the Hopper kernel's 128 x 256 tiles less than a wave
+    # (16 / 28, 64 / 112 tiles: the Triton kernel runs them), 1024 tokens about one (128 / 224);
+    # the routed experts of a prefill (64 experts x 512 rows) many
+    from ray_ep.kernels.grouped_gemm_sm90 import fills_sms
+
+    assert not any(fills_sms(1, t, o, 132) for t in (128, 512) for o in (4096, 7168))
+    assert all(fills_sms(1, 1024, o, 132) for o in (4096, 7168))
+    assert fills_sms(64, 512, 4096, 132) and not fills_sms(64, 512, 4096, 64 * 4 * 16 * 2)
 
 
 def test_grouped_gemm_swiglu_out_needs_the_hopper_kernel():

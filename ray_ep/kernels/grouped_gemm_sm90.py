@@ -77,7 +77,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_GROUP, FP8_MAX
-from ._util import expert_tile, next_power_of_2, num_sms as sm_count, prefill_rows, sm_major, tma_addressable
+from ._util import cdiv, expert_tile, next_power_of_2, num_sms as sm_count, prefill_rows, sm_major, tma_addressable
 
 _tile = gluon.jit(expert_tile.fn)  # the Triton kernels' tile order, compiled as Gluon
 
@@ -96,6 +96,11 @@ HALF_O = gl.constexpr(BLOCK_O.value // 2)  # a wgmma's columns (one weight-scale
 # registers per thread: a consumer holds 2 x 64 of accumulator and 64 of partial product
 CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
+# the fewest 128 x 256 tiles per SM for which this kernel runs (fills_sms): about a wave. One
+# H100, deepseek-v3's fp8 shared expert (gate_up O 4096, then down O 7168) over T tokens, us,
+# against the Triton kernel: T 128: 106 / 74 (16 and 28 tiles for 132 SMs), 512: 107 / 92 (64,
+# 112), 1024: 130 / 156 (128, 224), 4096: 403 / 529 (docs/perf.md v54)
+MIN_TILES_PER_SM = 0.9
 _FP8_MAX = gl.constexpr(FP8_MAX)  # the SwiGLU epilogue's quantisation
 
 
@@ -107,15 +112,25 @@ def usable(*, a: torch.Tensor, b_LDO: torch.Tensor, rows_per_expert: int) -> boo
 
 def weights_usable(b_LDO: torch.Tensor, rows_per_expert: int) -> bool:
     """fp8 K-major weights stored as [L, O, D] (D contiguous) on a Hopper GPU, O a multiple of
-    256 and more than 64 capacity rows per expert (decode's few rows per expert keep the Triton
-    kernel's 64-row tiles, which read each weight once per 64 rows)."""
+    256, more than 64 capacity rows per expert (decode's few rows per expert keep the Triton
+    kernel's 64-row tiles, which read each weight once per 64 rows) and tiles enough to keep
+    the SMs busy (:func:`fills_sms`)."""
     if sm_major(b_LDO.device) != 9:
         return False
     if b_LDO.dtype != torch.float8_e4m3fn or not prefill_rows(rows_per_expert):
         return False
     L, D, O = b_LDO.shape
     w = b_LDO.transpose(1, 2)
-    return O % BLOCK_O.value == 0 and D % BLOCK_K.value == 0 and w.is_contiguous() and tma_addressable(w)
+    return (O % BLOCK_O.value == 0 and D % BLOCK_K.value == 0 and w.is_contiguous() and tma_addressable(w)
+            and fills_sms(L, rows_per_expert, O, sm_count(b_LDO.device)))
+
+
+def fills_sms(L: int, rows_per_expert: int, O: int, sms: int) -> bool:
+    """Whether L experts of ``rows_per_expert`` capacity rows give this kernel at least
+    ``MIN_TILES_PER_SM`` of its 128 x 256 tiles per SM of ``sms``. With fewer (a shared expert
+    over a decode batch: one expert, 128 rows) most SMs idle, and the Triton kernel's
+    128-column tiles, twice as many, finish first."""
+    return L * cdiv(rows_per_expert, BLOCK_M.value) * (O // BLOCK_O.value) >= MIN_TILES_PER_SM * sms
 
 
 @gluon.jit
