@@ -570,15 +570,16 @@ def test_grouped_gemm_swiglu_out_matches_gemm_then_swiglu(gather, num_sms, hoppe
     assert bool((got_q[~real].float() == 7.0).all()) and bool((got_s[~real] == 5.0).all()), "padding rows written"
 
 
-def test_hopper_kernel_takes_only_shapes_with_a_wave_of_tiles():
-    # deepseek-v3's shared expert (one expert, gate_up O 4096, down O 7168) on 132 SMs: a
-    # decode batch's 128 or 512 tokens give the Hopper kernel's 128 x 256 tiles less than a wave
-    # (16 / 28, 64 / 112 tiles: the Triton kernel runs them), 1024 tokens about one (128 / 224);
-    # the routed experts of a prefill (64 experts x 512 rows) many
+def test_hopper_kernel_takes_only_shapes_with_over_half_a_wave_of_tiles():
+    # deepseek-v3's shared expert (one expert, gate_up O 4096, down O 7168) on 132 SMs: a decode
+    # batch's 128 tokens give the Hopper kernel's 128 x 256 tiles 16 / 28 (the Triton kernel
+    # runs them), 256 tokens 32 / 56, 384 tokens 48 / 84 (down takes the Hopper kernel), 768
+    # tokens 96 / 168 (both do); the routed experts of a prefill (64 experts x 512 rows) many
     from ray_ep.kernels.grouped_gemm_sm90 import fills_sms
 
-    assert not any(fills_sms(1, t, o, 132) for t in (128, 512) for o in (4096, 7168))
-    assert all(fills_sms(1, 1024, o, 132) for o in (4096, 7168))
+    assert not any(fills_sms(1, t, o, 132) for t in (128, 256) for o in (4096, 7168))
+    assert not fills_sms(1, 384, 4096, 132) and fills_sms(1, 384, 7168, 132)
+    assert all(fills_sms(1, 768, o, 132) for o in (4096, 7168))
     assert fills_sms(64, 512, 4096, 132) and not fills_sms(64, 512, 4096, 64 * 4 * 16 * 2)
 
 

@@ -656,7 +656,7 @@ def _check_swiglu_out(swiglu_out, a: torch.Tensor, b_LDO: torch.Tensor, M: int) 
     L, _, O = b_LDO.shape
     if not fuses_swiglu(a=a, b_LDO=b_LDO, rows_per_expert=M // L):
         raise EPInputError("swiglu_out: the SwiGLU runs inside the GEMM only for fp8 weights on a Hopper GPU with "
-                           "more than 64 capacity rows per expert and about a tile per SM (fuses_swiglu); "
+                           "more than 64 capacity rows per expert and tiles for over half of the SMs (fuses_swiglu); "
                            "elsewhere give out and run ray_ep.kernels.activation.swiglu on it")
     q, s = swiglu_out
     check_tensor("swiglu_out[0]", q, shape=(M, O // 2), dtypes=(torch.float8_e4m3fn,), device=a.device)

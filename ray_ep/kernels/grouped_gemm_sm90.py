@@ -96,11 +96,11 @@ HALF_O = gl.constexpr(BLOCK_O.value // 2)  # a wgmma's columns (one weight-scale
 # registers per thread: a consumer holds 2 x 64 of accumulator and 64 of partial product
 CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
-# the fewest 128 x 256 tiles per SM for which this kernel runs (fills_sms): about a wave. One
-# H100, deepseek-v3's fp8 shared expert (gate_up O 4096, then down O 7168) over T tokens, us,
-# against the Triton kernel: T 128: 106 / 74 (16 and 28 tiles for 132 SMs), 512: 107 / 92 (64,
-# 112), 1024: 130 / 156 (128, 224), 4096: 403 / 529 (docs/perf.md v54)
-MIN_TILES_PER_SM = 0.9
+# the fewest 128 x 256 tiles per SM for which this kernel runs (fills_sms): over half a wave.
+# One H200, fp8 GEMMs of deepseek-v3's shapes, us, this kernel / the Triton kernel (tiles): gate_up
+# (O 4096) 73.5 / 53.1 (64 tiles), 66.9 / 81.1 (96); down (O 7168) 22.9 / 16.3 (56), 23.4 / 27.9
+# (84); docs/perf.md v54
+MIN_TILES_PER_SM = 0.6
 _FP8_MAX = gl.constexpr(FP8_MAX)  # the SwiGLU epilogue's quantisation
 
 
