@@ -471,7 +471,6 @@ def bench_layer(t: Transport, cfg: EPConfig, rank: int, device: torch.device, *,
                      layer_checks=checks, layer_check_details=details)
 
 
-
 def experts_alone(h: DispatchHandle, experts, scratch, x_TH: torch.Tensor) -> None:
     """The layer's experts without its communication (the ``experts`` row): the routed experts
     over the rows ``h`` received, then the shared experts over this rank's own tokens ``x_TH``."""
