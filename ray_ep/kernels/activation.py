@@ -28,8 +28,18 @@ from ..config import FP8_GROUP
 from ..errors import EPInputError
 from ..fp8 import quantize_fp8_torch
 from ..validation import check_tensor
-from ._util import cdiv, interpreted, next_power_of_2, num_sms, tile_shape
+from ._util import INTERPRETED, SIGMOID_PTX, cdiv, interpreted, next_power_of_2, num_sms, tile_shape
 from .quant import quantize_group
+
+
+@triton.jit
+def fast_sigmoid(x):
+    """sigmoid(x) of fp32 ``x`` by :data:`ray_ep.kernels._util.SIGMOID_PTX` (``tl.sigmoid`` in
+    the CPU interpreter, which runs no PTX): within an ulp or two of ``tl.sigmoid``."""
+    if INTERPRETED:
+        return tl.sigmoid(x)
+    else:
+        return tl.inline_asm_elementwise(SIGMOID_PTX, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -52,7 +62,7 @@ def _swiglu_kernel(h_ptr, a_ptr, s_ptr, row_ids_ptr, total_rows_ptr, F,
         gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hf
         gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_ptrs + F * stride_hf, mask=mask, other=0.0).to(tl.float32)
-        a = gate * tl.sigmoid(gate) * up
+        a = gate * fast_sigmoid(gate) * up
         a_ptrs = a_ptr + rows64[:, None] * stride_am + cols[None, :] * stride_af
         if FP8:
             # BLOCK_F is a multiple of 128 and F too: every group of the tile is whole

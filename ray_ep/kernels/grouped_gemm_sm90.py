@@ -77,7 +77,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_GROUP, FP8_MAX
-from ._util import cdiv, expert_tile, next_power_of_2, num_sms as sm_count, prefill_rows, sm_major, tma_addressable
+from ._util import SIGMOID_PTX, cdiv, expert_tile, next_power_of_2, num_sms as sm_count, prefill_rows, sm_major, tma_addressable
 
 _tile = gluon.jit(expert_tile.fn)  # the Triton kernels' tile order, compiled as Gluon
 
@@ -243,7 +243,7 @@ def _swiglu_epilogue(acc0, acc1, e, o_tile, tokens, first_row, m_mask, rows, c_p
     :func:`ray_ep.kernels.activation.swiglu` give: the same roundings in the same order."""
     gate = acc0.to(gl.bfloat16).to(gl.float32)
     up = acc1.to(gl.bfloat16).to(gl.float32)
-    v = gate * (1 / (1 + gl.exp(-gate))) * up  # tl.sigmoid's expression
+    v = gate * gl.inline_asm_elementwise(SIGMOID_PTX, "=r,r", [gate], dtype=gl.float32, is_pure=True, pack=1) * up
     # :func:`ray_ep.kernels.quant.group_scales`: 448 / amax and amax / 448 (1 and 1 for zeros)
     amax = gl.max(gl.abs(v), axis=1)
     nonzero = amax > 0
