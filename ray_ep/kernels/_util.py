@@ -24,8 +24,9 @@ INTERPRETED = tl.constexpr(interpreted())
 # The SwiGLU's sigmoid, 1 / (1 + 2^(-x log2 e)), on the approximate units (ex2.approx.ftz,
 # rcp.approx.ftz: 4 instructions) rather than ``tl.sigmoid``'s exp and full division with their
 # range fix-ups (~12). Shared by the SwiGLU kernel and the Hopper GEMM's fused SwiGLU epilogue,
-# so the two keep the same bits (one H100, deepseek-v3's fp8 experts on 4 ranks' rank 0:
-# 3185 -> 3159 us, the outputs bit for bit the same as before there; docs/perf.md v56).
+# so the two keep the same bits (deepseek-v3's fp8 experts on 4 ranks' rank 0, two H100s:
+# 3185 -> 3159 us and 3170 -> 3149, the outputs bit for bit the same as before there;
+# docs/perf.md v56, v57).
 SIGMOID_PTX = tl.constexpr("{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; "
                            "add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }")
 
