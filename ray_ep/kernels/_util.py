@@ -21,14 +21,6 @@ def interpreted() -> bool:
 # for device code that takes another path in Triton's CPU interpreter (which has no inline PTX)
 INTERPRETED = tl.constexpr(interpreted())
 
-# The SwiGLU's sigmoid, 1 / (1 + 2^(-x log2 e)), on the approximate units (ex2.approx.ftz,
-# rcp.approx.ftz: 4 instructions) rather than ``tl.sigmoid``'s exp and full division with their
-# range fix-ups (~12). Shared by the SwiGLU kernel and the Hopper GEMM's fused SwiGLU epilogue,
-# so the two keep the same bits (deepseek-v3's fp8 experts on 4 ranks' rank 0, two H100s:
-# 3185 -> 3159 us and 3170 -> 3149, the outputs bit for bit the same as before there;
-# docs/perf.md v56, v57).
-SIGMOID_PTX = tl.constexpr("{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; "
-                           "add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }")
 
 
 # Host-side twins of ``triton.cdiv`` / ``triton.next_power_of_2``: Triton 3.6 makes those
@@ -356,3 +348,23 @@ def expert_tile(tile, experts, tokens_L, m_tiles_L, tiles_L, tile_ends_L):
     tokens = tl.sum(tl.where(this, tokens_L, 0), axis=0)
     o_tile = local // m_tiles
     return e, local - o_tile * m_tiles, o_tile, tokens
+
+
+# The SwiGLU's sigmoid, 1 / (1 + 2^(-x log2 e)), on the approximate units (ex2.approx.ftz,
+# rcp.approx.ftz: 4 instructions) rather than ``tl.sigmoid``'s exp and full division with their
+# range fix-ups (~12). Shared by the SwiGLU kernel and the Hopper GEMM's fused SwiGLU epilogue,
+# so the two keep the same bits (deepseek-v3's fp8 experts on 4 ranks' rank 0, two H100s:
+# 3185 -> 3159 us and 3170 -> 3149, the outputs bit for bit the same as before there;
+# docs/perf.md v56, v57).
+_SIGMOID_PTX = tl.constexpr("{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; "
+                            "add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }")
+
+
+@triton.jit
+def fast_sigmoid(x):
+    """sigmoid(x) of fp32 ``x`` by ``_SIGMOID_PTX`` (``tl.sigmoid`` in the CPU interpreter,
+    which runs no PTX): within an ulp or two of ``tl.sigmoid``."""
+    if INTERPRETED:
+        return tl.sigmoid(x)
+    else:
+        return tl.inline_asm_elementwise(_SIGMOID_PTX, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)

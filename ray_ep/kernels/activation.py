@@ -28,18 +28,8 @@ from ..config import FP8_GROUP
 from ..errors import EPInputError
 from ..fp8 import quantize_fp8_torch
 from ..validation import check_tensor
-from ._util import INTERPRETED, SIGMOID_PTX, cdiv, interpreted, next_power_of_2, num_sms, tile_shape
+from ._util import cdiv, fast_sigmoid, interpreted, next_power_of_2, num_sms, tile_shape
 from .quant import quantize_group
-
-
-@triton.jit
-def fast_sigmoid(x):
-    """sigmoid(x) of fp32 ``x`` by :data:`ray_ep.kernels._util.SIGMOID_PTX` (``tl.sigmoid`` in
-    the CPU interpreter, which runs no PTX): within an ulp or two of ``tl.sigmoid``."""
-    if INTERPRETED:
-        return tl.sigmoid(x)
-    else:
-        return tl.inline_asm_elementwise(SIGMOID_PTX, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit

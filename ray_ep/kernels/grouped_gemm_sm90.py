@@ -77,9 +77,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_GROUP, FP8_MAX
-from ._util import SIGMOID_PTX, cdiv, expert_tile, next_power_of_2, num_sms as sm_count, prefill_rows, sm_major, tma_addressable
+from ._util import (cdiv, expert_tile, fast_sigmoid, next_power_of_2, num_sms as sm_count, prefill_rows, sm_major,
+                    tma_addressable)
 
 _tile = gluon.jit(expert_tile.fn)  # the Triton kernels' tile order, compiled as Gluon
+_sigmoid = gluon.jit(fast_sigmoid.fn)  # the SwiGLU kernel's sigmoid: the same bits
 
 STAGES = 4  # 4 x 48 KB of shared memory (3 ran within 1%)
 # stages when the output leaves by bulk copies: 3 x 48 KB, plus 2 x 32 KB for the consumers' halves
@@ -243,7 +245,7 @@ def _swiglu_epilogue(acc0, acc1, e, o_tile, tokens, first_row, m_mask, rows, c_p
     :func:`ray_ep.kernels.activation.swiglu` give: the same roundings in the same order."""
     gate = acc0.to(gl.bfloat16).to(gl.float32)
     up = acc1.to(gl.bfloat16).to(gl.float32)
-    v = gate * gl.inline_asm_elementwise(SIGMOID_PTX, "=r,r", [gate], dtype=gl.float32, is_pure=True, pack=1) * up
+    v = gate * _sigmoid(gate) * up
     # :func:`ray_ep.kernels.quant.group_scales`: 448 / amax and amax / 448 (1 and 1 for zeros)
     amax = gl.max(gl.abs(v), axis=1)
     nonzero = amax > 0
